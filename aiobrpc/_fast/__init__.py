@@ -1,0 +1,67 @@
+"""The hot path: Cython kernels with pure-Python twins of identical API.
+
+The compiled modules (framing, iobuf, meta) are used unless they are missing or the
+environment sets AIOBRPC_NO_EXTENSIONS=1. Other layers look names up on this module at call
+time (`_fast.FrameReader(...)`), so `use("python")` switches the whole library, which is how
+the test suite runs everything against both twins. Type checkers see the pure twins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from . import framing_py, iobuf_py, meta_py
+
+_EXPORTS = {
+    "framing": ("FrameReader", "parse_header", "pack_header", "magic_prefix_ok",
+                "KIND_PRPC", "KIND_STRM", "DEFAULT_MAX_BODY_SIZE"),
+    "iobuf": ("IOBuf", "ReadBuffer", "byte_view", "HEADER_SIZE"),
+    "meta": ("RpcMeta", "encode_meta", "decode_meta", "pack_head"),
+}
+
+if TYPE_CHECKING:
+    from .framing_py import (DEFAULT_MAX_BODY_SIZE, KIND_PRPC, KIND_STRM, FrameReader,
+                             magic_prefix_ok, pack_header, parse_header)
+    from .iobuf_py import HEADER_SIZE, IOBuf, ReadBuffer, byte_view
+    from .meta_py import RpcMeta, decode_meta, encode_meta, pack_head
+
+
+def _compiled():
+    try:
+        from . import framing, iobuf, meta  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return {"framing": framing, "iobuf": iobuf, "meta": meta}
+
+
+_PURE = {"framing": framing_py, "iobuf": iobuf_py, "meta": meta_py}
+_COMPILED = None if os.environ.get("AIOBRPC_NO_EXTENSIONS") else _compiled()
+
+IMPLEMENTATION = "python"
+
+
+def available() -> list[str]:
+    """Implementations that can be selected here: always "python", "cython" when built."""
+    return ["cython", "python"] if _COMPILED is not None else ["python"]
+
+
+def use(name: str) -> None:
+    """Select "cython" or "python" for every layer of aiobrpc (tests use this)."""
+    global IMPLEMENTATION
+    if name == "cython":
+        if _COMPILED is None:
+            raise ImportError("aiobrpc._fast extensions are not built (or AIOBRPC_NO_EXTENSIONS is set)")
+        modules = _COMPILED
+    elif name == "python":
+        modules = _PURE
+    else:
+        raise ValueError(f"implementation must be 'cython' or 'python', got {name!r}")
+    g = globals()
+    for mod, names in _EXPORTS.items():
+        for n in names:
+            g[n] = getattr(modules[mod], n)
+    IMPLEMENTATION = name
+
+
+use("cython" if _COMPILED is not None else "python")

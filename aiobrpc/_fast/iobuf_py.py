@@ -1,0 +1,235 @@
+"""IOBuf-like buffers, pure-Python twin of `iobuf.pyx`.
+
+`IOBuf` is the send side: a queue of the caller's buffers, appended without a copy and cut
+into memoryviews.
+
+`ReadBuffer` is the receive side of an asyncio BufferedProtocol. Design:
+
+* Small frames land in a shared *block* (one bytearray). Frames are handed out as memoryview
+  slices of it, so nothing is copied after the kernel's read. A block is never written where
+  a handed-out view can see it: data only goes after `end`, and the block is rewound to 0 only
+  when nothing is unconsumed and no view of it is alive; otherwise a fresh block is started
+  and the unconsumed tail (a partial small frame) is moved there.
+* A frame larger than `large_threshold` gets one exact-size bytearray (`begin_large`): the
+  bytes of it already read are moved there once, and the kernel fills the rest directly, so
+  its payload is one contiguous view with no further copy. After a large frame the next read
+  at a frame boundary asks the kernel for the 12-byte header only, so a stream of large
+  frames is received with zero copies in user space; `copied_bytes` counts what was moved.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+
+from ..errors import LocalProtocolError
+
+HEADER_SIZE = 12
+DEFAULT_BLOCK_SIZE = 256 * 1024
+DEFAULT_LARGE_THRESHOLD = 64 * 1024
+
+
+def _as_bytes_view(obj) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer (bytes, numpy, torch ...)."""
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise LocalProtocolError(
+            f"expected a bytes-like object (buffer protocol), got {type(obj).__name__}") from None
+    if not mv.c_contiguous:
+        raise LocalProtocolError("buffer must be C-contiguous to be sent without a copy")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def byte_view(obj) -> memoryview:
+    """Public alias: a flat byte memoryview over `obj` without copying."""
+    return _as_bytes_view(obj)
+
+
+class IOBuf:
+    """A chain of buffers. `append` keeps the object itself; `cut` returns views."""
+
+    __slots__ = ("_chunks", "_size")
+
+    def __init__(self) -> None:
+        self._chunks: deque = deque()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, buf) -> None:
+        mv = _as_bytes_view(buf)
+        n = mv.nbytes
+        if n:
+            self._chunks.append(buf if type(buf) is bytes else mv)
+            self._size += n
+
+    def extend(self, bufs) -> None:
+        for b in bufs:
+            self.append(b)
+
+    def cut(self, n: int) -> list:
+        """Remove and return the first `n` bytes as a list of buffers (views, never copies)."""
+        if n < 0 or n > self._size:
+            raise LocalProtocolError(f"cannot cut {n} bytes from an IOBuf of {self._size}")
+        out = []
+        left = n
+        chunks = self._chunks
+        while left:
+            head = chunks[0]
+            size = len(head) if type(head) is bytes else head.nbytes
+            if size <= left:
+                out.append(chunks.popleft())
+                left -= size
+            else:
+                mv = memoryview(head) if type(head) is bytes else head
+                out.append(mv[:left])
+                chunks[0] = mv[left:]
+                left = 0
+        self._size -= n
+        return out
+
+    def cut_all(self) -> list:
+        out = list(self._chunks)
+        self._chunks.clear()
+        self._size = 0
+        return out
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._size = 0
+
+
+class ReadBuffer:
+    """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
+
+    __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled",
+                 "_header_only", "large_threshold", "copied_bytes")
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
+                 large_threshold: int = DEFAULT_LARGE_THRESHOLD) -> None:
+        if block_size < 2 * large_threshold or large_threshold < HEADER_SIZE:
+            raise LocalProtocolError(
+                f"block_size ({block_size}) must be at least twice large_threshold ({large_threshold})")
+        self._block_size = block_size
+        self._block = bytearray(block_size)
+        self._start = 0
+        self._end = 0
+        self._large = None
+        self._large_filled = 0
+        self._header_only = False
+        self.large_threshold = large_threshold
+        self.copied_bytes = 0
+
+    # -- kernel side -------------------------------------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._large is not None:
+            return memoryview(self._large)[self._large_filled:]
+        if self._start == self._end and self._unshared():
+            self._start = self._end = 0
+        if self._block_size - self._end < HEADER_SIZE or (
+                self._block_size - self._end < self.large_threshold and self._start != self._end):
+            self._new_block()
+        if self._header_only and self._start == self._end:
+            # After a large frame: read just the next header, so a following large frame is
+            # received straight into its own buffer.
+            return memoryview(self._block)[self._end:self._end + HEADER_SIZE]
+        return memoryview(self._block)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._large is not None:
+            self._large_filled += nbytes
+        else:
+            self._end += nbytes
+            if self._header_only and self._end - self._start > HEADER_SIZE:
+                self._header_only = False
+
+    def feed(self, data) -> None:
+        """Copy `data` in as if the kernel had read it (tests and non-buffered transports)."""
+        mv = _as_bytes_view(data)
+        pos, n = 0, mv.nbytes
+        while pos < n:
+            buf = self.get_buffer(n - pos)
+            k = min(len(buf), n - pos)
+            buf[:k] = mv[pos:pos + k]
+            self.buffer_updated(k)
+            pos += k
+
+    # -- parser side -------------------------------------------------------------------------
+    def available(self) -> int:
+        """Unconsumed bytes in the shared block (a large frame in progress is not counted)."""
+        return self._end - self._start
+
+    def peek(self, n: int) -> memoryview:
+        return memoryview(self._block)[self._start:self._start + n]
+
+    def take(self, n: int) -> memoryview:
+        """Consume `n` bytes of the block, returned as a view (no copy)."""
+        s = self._start
+        self._start = s + n
+        return memoryview(self._block)[s:s + n]
+
+    def skip(self, n: int) -> None:
+        self._start += n
+
+    def begin_large(self, total: int) -> None:
+        """The frame starting at the read position is `total` bytes: give it its own buffer."""
+        have = self._end - self._start
+        large = bytearray(total)
+        if have:
+            large[:have] = memoryview(self._block)[self._start:self._end]
+            self.copied_bytes += have
+        self._start = self._end
+        self._large = large
+        self._large_filled = have
+
+    def large_pending(self) -> bool:
+        return self._large is not None
+
+    def take_large(self) -> memoryview | None:
+        """The large frame's buffer once it is complete, else None."""
+        large = self._large
+        if large is None or self._large_filled < len(large):
+            return None
+        self._large = None
+        self._large_filled = 0
+        self._header_only = True
+        return memoryview(large)
+
+    def pending_bytes(self) -> int:
+        """Bytes received but not yet consumed (a partial frame)."""
+        return self._end - self._start + self._large_filled
+
+    def clear(self) -> None:
+        """Drop everything buffered (connection closed)."""
+        self._large = None
+        self._large_filled = 0
+        self._start = self._end = 0
+        if not self._unshared():
+            self._block = bytearray(self._block_size)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _unshared(self) -> bool:
+        # References: self._block and getrefcount's argument. Each live view of the block
+        # holds one more (through its managed buffer).
+        return sys.getrefcount(self._block) <= 2
+
+    def _new_block(self) -> None:
+        have = self._end - self._start
+        if self._start == 0 and have == 0:
+            return
+        if self._unshared():
+            block = self._block
+            if have:
+                block[:have] = block[self._start:self._end]
+        else:
+            block = bytearray(self._block_size)
+            if have:
+                block[:have] = memoryview(self._block)[self._start:self._end]
+        self.copied_bytes += have
+        self._block = block
+        self._start = 0
+        self._end = have

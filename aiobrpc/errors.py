@@ -1,0 +1,155 @@
+"""brpc error codes (../shared/spec/errors.md) and the exceptions aiobrpc raises.
+
+`RpcError` is what a failed call raises and what a handler raises to fail its call.
+`RemoteProtocolError` means the peer sent bytes we cannot accept; `LocalProtocolError` means
+our own caller misused the API. Numbers are brpc's (and Linux errno values, which brpc uses on
+the wire whatever the host platform is).
+"""
+
+from __future__ import annotations
+
+# errno values as brpc uses them (Linux numbering, never the host's).
+EPERM = 1
+ENOENT = 2
+EAGAIN = 11
+ENOMEM = 12
+EINVAL = 22
+EPIPE = 32
+ENODATA = 61
+EPROTO = 71
+ENETUNREACH = 101
+ECONNRESET = 104
+ETIMEDOUT = 110
+ECONNREFUSED = 111
+EHOSTDOWN = 112
+EHOSTUNREACH = 113
+ECANCELED = 125
+
+# brpc's own codes.
+ENOSERVICE = 1001
+ENOMETHOD = 1002
+EREQUEST = 1003
+ERPCAUTH = 1004
+ETOOMANYFAILS = 1005
+EPCHANFINISH = 1006
+EBACKUPREQUEST = 1007
+ERPCTIMEDOUT = 1008
+EFAILEDSOCKET = 1009
+EHTTP = 1010
+EOVERCROWDED = 1011
+ERTMPPUBLISHABLE = 1012
+ERTMPCREATESTREAM = 1013
+EEOF = 1014
+EUNUSED = 1015
+ESSL = 1016
+EH2RUNOUTSTREAMS = 1017
+EREJECT = 1018
+EPROGREADTIMEOUT = 1019
+EINTERNAL = 2001
+ERESPONSE = 2002
+ELOGOFF = 2003
+ELIMIT = 2004
+ECLOSE = 2005
+EITP = 2006
+ESHUTDOWNWRITE = 2007
+ERDMA = 3001
+ERDMAMEM = 3002
+
+# berror() texts registered by brpc.
+DESCRIPTIONS: dict[int, str] = {
+    ENOSERVICE: "No such service",
+    ENOMETHOD: "No such method",
+    EREQUEST: "Bad request",
+    ERPCAUTH: "Authentication failed",
+    ETOOMANYFAILS: "Too many sub channels failed",
+    EPCHANFINISH: "ParallelChannel finished",
+    EBACKUPREQUEST: "Sending backup request",
+    ERPCTIMEDOUT: "RPC call is timed out",
+    EFAILEDSOCKET: "Broken socket",
+    EHTTP: "Bad http call",
+    EOVERCROWDED: "The server is overcrowded",
+    EEOF: "Got EOF",
+    EUNUSED: "The socket was not needed",
+    ESSL: "SSL related operation failed",
+    EH2RUNOUTSTREAMS: "The H2 socket was run out of streams",
+    EPROGREADTIMEOUT: "Progressive read timed out",
+    EINTERNAL: "General internal error",
+    ERESPONSE: "Bad response",
+    ELOGOFF: "Server is stopping",
+    ELIMIT: "Reached server's max_concurrency",
+    ECLOSE: "Close socket initiatively",
+    EITP: "Bad Itp response",
+    ESHUTDOWNWRITE: "Shutdown write of socket",
+    ERDMA: "RDMA verbs error",
+    ERDMAMEM: "Memory not registered for RDMA",
+    EPERM: "Operation not permitted",
+    ENOENT: "No such file or directory",
+    EAGAIN: "Resource temporarily unavailable",
+    ENOMEM: "Cannot allocate memory",
+    EINVAL: "Invalid argument",
+    EPIPE: "Broken pipe",
+    ENODATA: "No data available",
+    EPROTO: "Protocol error",
+    ENETUNREACH: "Network is unreachable",
+    ECONNRESET: "Connection reset by peer",
+    ETIMEDOUT: "Connection timed out",
+    ECONNREFUSED: "Connection refused",
+    EHOSTDOWN: "Host is down",
+    EHOSTUNREACH: "No route to host",
+    ECANCELED: "Operation canceled",
+}
+
+# What brpc's default RpcRetryPolicy retries (errors.md §2).
+DEFAULT_RETRYABLE = frozenset({
+    EFAILEDSOCKET, EEOF, EHOSTDOWN, ELOGOFF, ETIMEDOUT, ELIMIT, ENOENT, EPIPE,
+    ECONNREFUSED, ECONNRESET, ENODATA, EOVERCROWDED, EH2RUNOUTSTREAMS,
+})
+
+
+def describe(code: int) -> str:
+    """brpc's description of `code`, or a generic one for user codes."""
+    return DESCRIPTIONS.get(code, f"Unknown error {code}")
+
+
+class RpcError(Exception):
+    """A call failed with brpc error `code` and human-readable `text`.
+
+    Raise it in a handler to send that code and text to the caller:
+
+    >>> raise RpcError(1234, "interop failure")  # doctest: +SKIP
+    """
+
+    def __init__(self, code: int, text: str = "") -> None:
+        if not isinstance(code, int) or isinstance(code, bool):
+            raise TypeError(f"RpcError code must be an int, got {type(code).__name__}")
+        self.code = code
+        self.text = text or describe(code)
+        super().__init__(code, self.text)
+
+    def __str__(self) -> str:
+        return f"[E{self.code}]{self.text}"
+
+
+class ProtocolError(Exception):
+    """Base of the codec errors. `code` is the brpc code a reply or a failed call carries."""
+
+    def __init__(self, message: str, code: int = EREQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something we cannot accept.
+
+    `fatal` is True when framing can no longer be trusted and the connection must close;
+    False when only this message is bad (the server answers it with `code`, the client fails
+    that call with it).
+    """
+
+    def __init__(self, message: str, code: int = EREQUEST, fatal: bool = True) -> None:
+        super().__init__(message, code)
+        self.fatal = fatal
+
+
+class LocalProtocolError(ProtocolError, ValueError):
+    """Our caller asked for something the protocol cannot express."""

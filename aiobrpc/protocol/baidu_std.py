@@ -1,0 +1,140 @@
+"""The baidu_std protocol, sans-IO (../shared/spec/baidu_std.md).
+
+Receiving: a `Decoder` is fed bytes (by the kernel through get_buffer/buffer_updated, or by
+`feed`) and yields RequestReceived / ResponseReceived / StreamFrameReceived events. A framing
+or meta violation raises a fatal RemoteProtocolError: close the connection.
+
+Sending: `pack(meta, data, attachment)` returns the frame as a list of buffers — one buffer
+with header and meta, the data, and a zero-copy view of the caller's attachment — for one
+`writelines`. `encode_data` / `decode_data` apply compression and checksums in brpc's order:
+serialize → compress → checksum on the way out, verify → decompress on the way in.
+"""
+
+from __future__ import annotations
+
+from .. import _fast
+from ..errors import EREQUEST, ERESPONSE, LocalProtocolError, RemoteProtocolError
+from . import checksum, compress
+from .events import RequestReceived, ResponseReceived, StreamFrameReceived
+
+MAGIC = b"PRPC"
+DEFAULT_MAX_BODY_SIZE = 64 * 1024 * 1024
+
+CONTENT_TYPE_PB = 0
+CONTENT_TYPE_JSON = 1
+CONTENT_TYPE_PROTO_JSON = 2
+CONTENT_TYPE_PROTO_TEXT = 3
+CONTENT_TYPE_NAMES = {0: "pb", 1: "json", 2: "proto-json", 3: "proto-text"}
+
+SERVER = "server"
+CLIENT = "client"
+
+
+class Decoder:
+    """Turns received bytes into events. `role` is SERVER (requests) or CLIENT (responses)."""
+
+    __slots__ = ("_reader", "_event", "_code", "role")
+
+    def __init__(self, role: str, max_body_size: int = DEFAULT_MAX_BODY_SIZE, **buffer_options) -> None:
+        if role not in (SERVER, CLIENT):
+            raise LocalProtocolError(f"role must be {SERVER!r} or {CLIENT!r}, got {role!r}")
+        self.role = role
+        self._reader = _fast.FrameReader(max_body_size, **buffer_options)
+        self._event = RequestReceived if role == SERVER else ResponseReceived
+        self._code = EREQUEST if role == SERVER else ERESPONSE
+
+    @property
+    def reader(self):
+        return self._reader
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        return self._reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._reader.buffer_updated(nbytes)
+
+    def feed(self, data) -> None:
+        self._reader.feed(data)
+
+    def pending_bytes(self) -> int:
+        """Bytes of a frame not yet complete (a truncated frame if the peer is gone)."""
+        return self._reader.pending_bytes()
+
+    def next_event(self):
+        """The next complete event, or None when more bytes are needed."""
+        frame = self._reader.next_frame()
+        if frame is None:
+            return None
+        kind, meta_view, payload = frame
+        if kind == _fast.KIND_STRM:
+            return StreamFrameReceived(meta_view, payload)
+        meta = _fast.decode_meta(meta_view)
+        size = len(payload)
+        att = meta.attachment_size
+        if not att:
+            return self._event(meta, payload, payload[size:])
+        if att < 0 or att > size:
+            what = "request_size" if self.role == SERVER else "response_size"
+            err = RemoteProtocolError(f"attachment_size={att} is larger than {what}={size}",
+                                      code=self._code, fatal=False)
+            return self._event(meta, payload[:0], payload[:0], err)
+        return self._event(meta, payload[:size - att], payload[size - att:])
+
+    def events(self) -> list:
+        """Every complete event buffered so far."""
+        out = []
+        while True:
+            ev = self.next_event()
+            if ev is None:
+                return out
+            out.append(ev)
+
+
+def pack(meta, data, attachment=None, magic: bytes = MAGIC) -> list:
+    """Frame `meta` + `data` + `attachment` as a list of buffers, without copying data or attachment.
+
+    Sets meta.attachment_size when the attachment is not empty (brpc leaves it absent otherwise).
+    """
+    size = len(data)
+    if attachment is None:
+        return [_fast.pack_head(magic, meta, size), data] if size else [_fast.pack_head(magic, meta, 0)]
+    view = attachment if type(attachment) is bytes else _fast.byte_view(attachment)
+    n = len(view) if type(view) is bytes else view.nbytes
+    if n == 0:
+        return pack(meta, data, None, magic)
+    if n > 0x7FFFFFFF:
+        raise LocalProtocolError(f"attachment of {n} bytes does not fit the int32 attachment_size")
+    meta.attachment_size = n
+    head = _fast.pack_head(magic, meta, size + n)
+    return [head, data, view] if size else [head, view]
+
+
+def encode_data(meta, serialized, compress_type: int = 0, attachment=None,
+                with_checksum: bool = False, checksum_with_attachment: bool = False):
+    """Compress `serialized` and fill the meta's compress/checksum fields. Returns the data."""
+    data = compress.compress(compress_type, serialized) if compress_type else serialized
+    meta.compress_type = compress_type
+    if with_checksum:
+        meta.checksum_type = checksum.CRC32C
+        if checksum_with_attachment and attachment is not None:
+            meta.checksum_value = checksum.compute(data, _fast.byte_view(attachment))
+            meta.checksum_with_attachment = True
+        else:
+            meta.checksum_value = checksum.compute(data)
+    return data
+
+
+def decode_data(meta, data, attachment, max_decompressed_size: int, code: int = EREQUEST):
+    """Verify the checksum and decompress `data` as `meta` says. Errors are non-fatal."""
+    ctype = meta.checksum_type
+    if ctype:
+        checksum.verify(ctype, meta.checksum_value, data, attachment,
+                        bool(meta.checksum_with_attachment), code)
+    ztype = meta.compress_type
+    if ztype:
+        return compress.decompress(ztype, data, max_decompressed_size, code)
+    if len(data) > max_decompressed_size:
+        raise RemoteProtocolError(
+            f"data of {len(data)} bytes exceeds max_decompressed_size={max_decompressed_size}",
+            code=code, fatal=False)
+    return data

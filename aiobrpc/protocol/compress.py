@@ -1,0 +1,91 @@
+"""Compression of the `data` part of a message, as brpc does it (baidu_std.md §5.2).
+
+snappy is the raw block format (cramjam), gzip and zlib are the RFC 1952 / RFC 1950
+containers at zlib's default level (byte-identical to brpc's output). LZ4 (4) is declared by
+brpc but has no handler there, so a C++ peer can neither send nor accept it: we refuse to
+send it (LocalProtocolError) and answer a received one like brpc, with EREQUEST.
+
+Decompression is capped: output beyond `max_size` is an error before it is allocated
+(snappy: the declared length is checked first; gzip/zlib: inflate stops at max_size + 1).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import cramjam
+
+from ..errors import EREQUEST, LocalProtocolError, RemoteProtocolError
+
+NONE = 0
+SNAPPY = 1
+GZIP = 2
+ZLIB = 3
+LZ4 = 4
+
+NAMES = {NONE: "none", SNAPPY: "snappy", GZIP: "gzip", ZLIB: "zlib", LZ4: "lz4"}
+SUPPORTED = (NONE, SNAPPY, GZIP, ZLIB)
+
+
+def name(ctype: int) -> str:
+    """brpc's name of a compress type, "unknown" for what it has no handler for."""
+    return NAMES[ctype] if ctype in SUPPORTED else "unknown"
+
+
+def compress(ctype: int, data):
+    """Compress serialized message bytes. Returns a bytes-like object."""
+    if ctype == NONE:
+        return data
+    if ctype == SNAPPY:
+        return memoryview(cramjam.snappy.compress_raw(data))
+    if ctype == GZIP:
+        c = zlib.compressobj(-1, zlib.DEFLATED, 31)
+        return c.compress(data) + c.flush()
+    if ctype == ZLIB:
+        return zlib.compress(data)
+    raise LocalProtocolError(f"compress_type={ctype} is not supported (brpc handles 0-3; lz4=4 has no handler)")
+
+
+def decompress(ctype: int, data, max_size: int, code: int = EREQUEST):
+    """Inverse of compress(), refusing output larger than max_size bytes.
+
+    Errors are RemoteProtocolError(fatal=False) with `code`: only this message is bad.
+    """
+    if ctype == NONE:
+        if len(data) > max_size:
+            raise _err(f"data of {len(data)} bytes exceeds max_decompressed_size={max_size}", code)
+        return data
+    if ctype == SNAPPY:
+        try:
+            n = cramjam.snappy.decompress_raw_len(data)
+        except Exception as e:  # cramjam raises its own DecompressionError / ValueError
+            raise _err(f"snappy data is corrupt: {e}", code) from None
+        if n > max_size:
+            raise _err(f"snappy data declares {n} bytes, exceeds max_decompressed_size={max_size}", code)
+        out = bytearray(n)
+        try:
+            got = cramjam.snappy.decompress_raw_into(data, out)
+        except Exception as e:
+            raise _err(f"snappy data is corrupt: {e}", code) from None
+        if got != n:
+            raise _err(f"snappy data decompressed to {got} bytes, declared {n}", code)
+        return out
+    if ctype in (GZIP, ZLIB):
+        d = zlib.decompressobj(31 if ctype == GZIP else 15)
+        label = NAMES[ctype]
+        try:
+            out = d.decompress(data, max_size + 1)
+        except zlib.error as e:
+            raise _err(f"{label} data is corrupt: {e}", code) from None
+        if len(out) > max_size:
+            raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
+        if not d.eof:
+            raise _err(f"{label} data is truncated", code)
+        if d.unused_data:
+            raise _err(f"{len(d.unused_data)} bytes follow the end of the {label} stream", code)
+        return out
+    raise _err(f"CompressType=unknown ({ctype})", code)
+
+
+def _err(message: str, code: int) -> RemoteProtocolError:
+    return RemoteProtocolError(message, code=code, fatal=False)
