@@ -63,13 +63,30 @@ class FrameReader:
         self.frames = 0
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        return self.rbuf.get_buffer(sizehint)
+        rbuf = self.rbuf
+        if rbuf.available() >= HEADER_SIZE and not rbuf.large_pending():
+            # A large frame whose header is already here gets its own buffer before the
+            # kernel reads more (next_frame reports any framing error).
+            kind, body_size, meta_size = parse_header(rbuf.peek(HEADER_SIZE))
+            total = HEADER_SIZE + body_size
+            if (kind and meta_size <= body_size <= self.max_body_size
+                    and total > rbuf.large_threshold and rbuf.available() < total):
+                rbuf.begin_large(total)
+        return rbuf.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.rbuf.buffer_updated(nbytes)
 
     def feed(self, data) -> None:
-        self.rbuf.feed(data)
+        """Copy `data` in as if the kernel had read it (tests and non-buffered transports)."""
+        mv = memoryview(data).cast("B")
+        pos, n = 0, mv.nbytes
+        while pos < n:
+            buf = self.get_buffer(n - pos)
+            k = min(len(buf), n - pos)
+            buf[:k] = mv[pos:pos + k]
+            self.buffer_updated(k)
+            pos += k
 
     def pending_bytes(self) -> int:
         return self.rbuf.pending_bytes()

@@ -130,8 +130,10 @@ class ReadBuffer:
             return memoryview(self._large)[self._large_filled:]
         if self._start == self._end and self._unshared():
             self._start = self._end = 0
-        if self._block_size - self._end < HEADER_SIZE or (
-                self._block_size - self._end < self.large_threshold and self._start != self._end):
+            if len(self._block) != self._block_size:
+                self._block = bytearray(self._block_size)
+        free = len(self._block) - self._end
+        if free < HEADER_SIZE or (free < self.large_threshold and self._start != self._end):
             self._new_block()
         if self._header_only and self._start == self._end:
             # After a large frame: read just the next header, so a following large frame is
@@ -208,7 +210,7 @@ class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._start = self._end = 0
-        if not self._unshared():
+        if not self._unshared() or len(self._block) != self._block_size:
             self._block = bytearray(self._block_size)
 
     # -- internals ---------------------------------------------------------------------------
@@ -218,15 +220,18 @@ class ReadBuffer:
         return sys.getrefcount(self._block) <= 2
 
     def _new_block(self) -> None:
+        # Move the unconsumed tail to the front of a block with room for a small frame. The
+        # tail is normally one partial frame under large_threshold; it is larger only when a
+        # caller feeds many frames before consuming them, and then the block grows.
         have = self._end - self._start
-        if self._start == 0 and have == 0:
-            return
-        if self._unshared():
+        size = self._block_size if have <= self._block_size - self.large_threshold \
+            else have + self._block_size
+        if self._unshared() and len(self._block) >= size:
             block = self._block
             if have:
                 block[:have] = block[self._start:self._end]
         else:
-            block = bytearray(self._block_size)
+            block = bytearray(size)
             if have:
                 block[:have] = memoryview(self._block)[self._start:self._end]
         self.copied_bytes += have

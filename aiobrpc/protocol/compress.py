@@ -71,20 +71,44 @@ def decompress(ctype: int, data, max_size: int, code: int = EREQUEST):
             raise _err(f"snappy data decompressed to {got} bytes, declared {n}", code)
         return out
     if ctype in (GZIP, ZLIB):
-        d = zlib.decompressobj(31 if ctype == GZIP else 15)
-        label = NAMES[ctype]
-        try:
-            out = d.decompress(data, max_size + 1)
-        except zlib.error as e:
-            raise _err(f"{label} data is corrupt: {e}", code) from None
-        if len(out) > max_size:
-            raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
-        if not d.eof:
-            raise _err(f"{label} data is truncated", code)
-        if d.unused_data:
-            raise _err(f"{len(d.unused_data)} bytes follow the end of the {label} stream", code)
-        return out
+        return _inflate(ctype, data, max_size, code)
     raise _err(f"CompressType=unknown ({ctype})", code)
+
+
+_INFLATE_CHUNK = 64 * 1024
+
+
+def _inflate(ctype: int, data, max_size: int, code: int) -> bytearray:
+    # Inflate in bounded steps into one growing buffer: peak memory stays near the output
+    # size (never max_size twice over, as one big decompress() call would hold).
+    label = NAMES[ctype]
+    if ctype == GZIP and len(data) >= 18:
+        # The gzip trailer declares the size mod 2**32 and zlib verifies it at the end, so a
+        # stream that declares more than max_size either is that large or fails: refuse it
+        # before inflating anything.
+        declared = int.from_bytes(data[len(data) - 4:], "little")
+        if declared > max_size:
+            raise _err(f"gzip data declares {declared} bytes, exceeds max_decompressed_size={max_size}", code)
+    d = zlib.decompressobj(31 if ctype == GZIP else 15)
+    out = bytearray()
+    pending = data
+    try:
+        while True:
+            chunk = d.decompress(pending, _INFLATE_CHUNK)
+            if len(out) + len(chunk) > max_size:
+                del out, chunk  # a traceback would keep them alive
+                raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
+            out += chunk
+            pending = d.unconsumed_tail
+            if d.eof or not (chunk or pending):
+                break
+    except zlib.error as e:
+        raise _err(f"{label} data is corrupt: {e}", code) from None
+    if not d.eof:
+        raise _err(f"{label} data is truncated", code)
+    if d.unused_data:
+        raise _err(f"{len(d.unused_data)} bytes follow the end of the {label} stream", code)
+    return out
 
 
 def _err(message: str, code: int) -> RemoteProtocolError:

@@ -1,0 +1,28 @@
+# C-level interface of iobuf.pyx, cimported by framing.pyx.
+
+
+cdef class IOBuf:
+    cdef object _chunks
+    cdef Py_ssize_t _size
+
+
+cdef class ReadBuffer:
+    # Invariant: 0 <= _start <= _end <= _block_size == len(_block), and for a pending large
+    # frame 0 <= _large_filled <= len(_large). Every method that moves these checks its input.
+    cdef bytearray _block
+    cdef Py_ssize_t _block_size
+    cdef Py_ssize_t _start
+    cdef Py_ssize_t _end
+    cdef bytearray _large
+    cdef Py_ssize_t _large_filled
+    cdef bint _header_only
+    cdef public Py_ssize_t large_threshold
+    cdef public long long copied_bytes
+
+    cdef object _get_buffer(self)
+    cdef int _buffer_updated(self, Py_ssize_t nbytes) except -1
+    cdef int _consume(self, Py_ssize_t n) except -1
+    cdef int _begin_large(self, Py_ssize_t total) except -1
+    cdef object _take_large(self)
+    cdef bint _unshared(self) noexcept
+    cdef int _new_block(self) except -1

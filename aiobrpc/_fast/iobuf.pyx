@@ -1,0 +1,287 @@
+"""IOBuf-like buffers compiled: the twin of `iobuf_py.py`, whose docstrings are the design.
+
+"No view of the block is alive" is decided as the pure twin decides it, from the block's
+reference count: every memoryview of it (through its managed buffer) and every other holder
+owns a reference, and this object keeps none beyond `_block`, so the count is 1 exactly when
+nobody else can see the block. The bytearray's buffer-export count is checked as well, so a
+live export can never be missed. Both are read in C without taking a reference.
+
+Where the pure twin trusts its caller with a size (buffer_updated, take, skip), this twin
+checks it: here a wrong size would be a wild pointer in framing.pyx, not an odd view.
+"""
+
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.ref cimport PyObject
+from libc.string cimport memcpy, memmove
+
+from collections import deque
+
+from ..errors import LocalProtocolError
+
+cdef extern from "Python.h":
+    ctypedef struct PyByteArrayObject:
+        Py_ssize_t ob_exports
+    Py_ssize_t _refcnt "Py_REFCNT" (PyObject*)
+    Py_buffer* PyMemoryView_GET_BUFFER(object)
+
+HEADER_SIZE = 12
+DEFAULT_BLOCK_SIZE = 256 * 1024
+DEFAULT_LARGE_THRESHOLD = 64 * 1024
+
+cdef enum:
+    _HEADER = 12
+
+
+def _as_bytes_view(obj):
+    """A flat unsigned-byte view of any C-contiguous buffer (bytes, numpy, torch ...)."""
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise LocalProtocolError(
+            f"expected a bytes-like object (buffer protocol), got {type(obj).__name__}") from None
+    if not mv.c_contiguous:
+        raise LocalProtocolError("buffer must be C-contiguous to be sent without a copy")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def byte_view(obj):
+    """Public alias: a flat byte memoryview over `obj` without copying."""
+    return _as_bytes_view(obj)
+
+
+cdef class IOBuf:
+    """A chain of buffers. `append` keeps the object itself; `cut` returns views."""
+
+    def __cinit__(self):
+        self._chunks = deque()
+        self._size = 0
+
+    def __len__(self):
+        return self._size
+
+    def append(self, buf):
+        cdef Py_ssize_t n
+        if type(buf) is bytes:
+            n = len(<bytes>buf)
+            if n:
+                self._chunks.append(buf)
+                self._size += n
+            return
+        mv = _as_bytes_view(buf)
+        n = PyMemoryView_GET_BUFFER(mv).len
+        if n:
+            self._chunks.append(mv)
+            self._size += n
+
+    def extend(self, bufs):
+        for b in bufs:
+            self.append(b)
+
+    def cut(self, n):
+        """Remove and return the first `n` bytes as a list of buffers (views, never copies)."""
+        cdef Py_ssize_t count, left, size
+        if n < 0 or n > self._size:
+            raise LocalProtocolError(f"cannot cut {n} bytes from an IOBuf of {self._size}")
+        count = left = n
+        out = []
+        chunks = self._chunks
+        while left:
+            head = chunks[0]
+            size = len(<bytes>head) if type(head) is bytes else PyMemoryView_GET_BUFFER(head).len
+            if size <= left:
+                out.append(chunks.popleft())
+                left -= size
+            else:
+                mv = memoryview(head) if type(head) is bytes else head
+                out.append(mv[:left])
+                chunks[0] = mv[left:]
+                left = 0
+        self._size -= count
+        return out
+
+    def cut_all(self):
+        out = list(self._chunks)
+        self._chunks.clear()
+        self._size = 0
+        return out
+
+    def clear(self):
+        self._chunks.clear()
+        self._size = 0
+
+
+cdef class ReadBuffer:
+    """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
+
+    def __cinit__(self, block_size=DEFAULT_BLOCK_SIZE, large_threshold=DEFAULT_LARGE_THRESHOLD):
+        if block_size < 2 * large_threshold or large_threshold < HEADER_SIZE:
+            raise LocalProtocolError(
+                f"block_size ({block_size}) must be at least twice large_threshold ({large_threshold})")
+        self._block_size = block_size
+        self._block = bytearray(self._block_size)
+        self._start = 0
+        self._end = 0
+        self._large = None
+        self._large_filled = 0
+        self._header_only = False
+        self.large_threshold = large_threshold
+        self.copied_bytes = 0
+
+    # -- kernel side -------------------------------------------------------------------------
+    def get_buffer(self, sizehint=-1):
+        return self._get_buffer()
+
+    cdef object _get_buffer(self):
+        # A complete large frame no longer takes bytes: what follows goes to the block. (The
+        # pure twin offers an empty view then, so its feed() loops forever on such a chunk.)
+        if self._large is not None and self._large_filled < len(self._large):
+            return memoryview(self._large)[self._large_filled:]
+        if self._start == self._end and self._unshared():
+            self._start = self._end = 0
+        if self._block_size - self._end < _HEADER or (
+                self._block_size - self._end < self.large_threshold and self._start != self._end):
+            self._new_block()
+        if self._header_only and self._start == self._end:
+            # After a large frame: read just the next header, so a following large frame is
+            # received straight into its own buffer.
+            return memoryview(self._block)[self._end:self._end + _HEADER]
+        return memoryview(self._block)[self._end:]
+
+    def buffer_updated(self, nbytes):
+        self._buffer_updated(nbytes)
+
+    cdef int _buffer_updated(self, Py_ssize_t nbytes) except -1:
+        cdef bint large = self._large is not None and self._large_filled < len(self._large)
+        cdef Py_ssize_t room = (len(self._large) - self._large_filled if large
+                                else self._block_size - self._end)
+        if nbytes < 0 or nbytes > room:
+            raise LocalProtocolError(
+                f"buffer_updated({nbytes}) is outside the {room} bytes that get_buffer offered")
+        if large:
+            self._large_filled += nbytes
+        else:
+            self._end += nbytes
+            if self._header_only and self._end - self._start > _HEADER:
+                self._header_only = False
+        return 0
+
+    def feed(self, data):
+        """Copy `data` in as if the kernel had read it (tests and non-buffered transports)."""
+        cdef Py_buffer* src
+        cdef Py_buffer* dst
+        cdef Py_ssize_t pos = 0, k
+        mv = _as_bytes_view(data)
+        src = PyMemoryView_GET_BUFFER(mv)
+        # `buf` stays alive until the next get_buffer returns, exactly as in the pure twin's
+        # loop, so both twins see the same views alive and make the same block decisions.
+        buf = None
+        while pos < src.len:
+            buf = self._get_buffer()
+            dst = PyMemoryView_GET_BUFFER(buf)
+            if dst.len == 0:
+                # The block is full of bytes nobody consumed (feed() does not frame; the pure
+                # twin loops forever here): more than a block's worth went in at once.
+                raise LocalProtocolError(
+                    f"feed() of {src.len - pos} more bytes into a full receive buffer: "
+                    "take frames out between feeds, or feed at most a block at a time")
+            k = min(dst.len, src.len - pos)
+            memmove(dst.buf, <char*>src.buf + pos, <size_t>k)
+            self._buffer_updated(k)
+            pos += k
+
+    # -- parser side -------------------------------------------------------------------------
+    def available(self):
+        """Unconsumed bytes in the shared block (a large frame in progress is not counted)."""
+        return self._end - self._start
+
+    def peek(self, n):
+        return memoryview(self._block)[self._start:self._start + n]
+
+    def take(self, n):
+        """Consume `n` bytes of the block, returned as a view (no copy)."""
+        cdef Py_ssize_t s = self._start
+        self._consume(n)
+        return memoryview(self._block)[s:self._start]
+
+    def skip(self, n):
+        self._consume(n)
+
+    cdef int _consume(self, Py_ssize_t n) except -1:
+        if n < 0 or n > self._end - self._start:
+            raise LocalProtocolError(
+                f"cannot consume {n} bytes, {self._end - self._start} are available")
+        self._start += n
+        return 0
+
+    def begin_large(self, total):
+        """The frame starting at the read position is `total` bytes: give it its own buffer."""
+        self._begin_large(total)
+
+    cdef int _begin_large(self, Py_ssize_t total) except -1:
+        cdef Py_ssize_t have = self._end - self._start
+        large = bytearray(total)
+        if have:
+            if have <= total:
+                memcpy(PyByteArray_AS_STRING(large),
+                       PyByteArray_AS_STRING(self._block) + self._start, <size_t>have)
+            else:  # the pure twin's slice assignment grows the buffer; so does this
+                large[:have] = memoryview(self._block)[self._start:self._end]
+            self.copied_bytes += have
+        self._start = self._end
+        self._large = large
+        self._large_filled = have
+        return 0
+
+    def large_pending(self):
+        return self._large is not None
+
+    def take_large(self):
+        """The large frame's buffer once it is complete, else None."""
+        return self._take_large()
+
+    cdef object _take_large(self):
+        large = self._large
+        if large is None or self._large_filled < len(large):
+            return None
+        self._large = None
+        self._large_filled = 0
+        self._header_only = True
+        return memoryview(large)
+
+    def pending_bytes(self):
+        """Bytes received but not yet consumed (a partial frame)."""
+        return self._end - self._start + self._large_filled
+
+    def clear(self):
+        """Drop everything buffered (connection closed)."""
+        self._large = None
+        self._large_filled = 0
+        self._start = self._end = 0
+        if not self._unshared():
+            self._block = bytearray(self._block_size)
+
+    # -- internals ---------------------------------------------------------------------------
+    cdef bint _unshared(self) noexcept:
+        cdef PyObject* block = <PyObject*>self._block
+        return _refcnt(block) == 1 and (<PyByteArrayObject*>block).ob_exports == 0
+
+    cdef int _new_block(self) except -1:
+        cdef Py_ssize_t have = self._end - self._start
+        cdef char* old
+        if self._start == 0 and have == 0:
+            return 0
+        old = PyByteArray_AS_STRING(self._block)
+        if self._unshared():
+            if have:
+                memmove(old, old + self._start, <size_t>have)
+        else:
+            block = bytearray(self._block_size)
+            if have:
+                memcpy(PyByteArray_AS_STRING(block), old + self._start, <size_t>have)
+            self._block = block
+        self.copied_bytes += have
+        self._start = 0
+        self._end = have
+        return 0
