@@ -12,7 +12,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 
-from ._buffer cimport acquire_bytes
+from ._bytes cimport HEADER, acquire_bytes, get_u32, put_u32
 from .iobuf cimport ReadBuffer
 
 from ..errors import LocalProtocolError, RemoteProtocolError
@@ -31,21 +31,8 @@ MAGIC_STRM = b"STRM"
 DEFAULT_MAX_BODY_SIZE = 64 * 1024 * 1024
 
 cdef enum:
-    _HEADER = 12
     _PRPC = 1
     _STRM = 2
-
-
-cdef inline uint64_t _u32(const unsigned char* p) noexcept nogil:
-    return ((<uint64_t>p[0] << 24) | (<uint64_t>p[1] << 16) | (<uint64_t>p[2] << 8)
-            | <uint64_t>p[3])
-
-
-cdef inline void _put_u32(unsigned char* p, uint32_t v) noexcept nogil:
-    p[0] = <unsigned char>(v >> 24)
-    p[1] = <unsigned char>(v >> 16)
-    p[2] = <unsigned char>(v >> 8)
-    p[3] = <unsigned char>v
 
 
 cdef inline int _kind(const unsigned char* p) noexcept nogil:
@@ -93,10 +80,10 @@ def parse_header(buf):
     if acquire_bytes(buf, &view) is None:
         return framing_py.parse_header(buf)
     try:
-        if view.len < _HEADER:
+        if view.len < HEADER:
             raise LocalProtocolError(f"a header is {HEADER_SIZE} bytes, got {view.len}")
         p = <const unsigned char*>view.buf
-        return _kind(p), _u32(p + 4), _u32(p + 8)
+        return _kind(p), get_u32(p + 4), get_u32(p + 8)
     finally:
         PyBuffer_Release(&view)
 
@@ -116,8 +103,8 @@ def pack_header(magic, body_size, meta_size):
     result = PyBytes_FromStringAndSize(NULL, n + 8)
     out = <unsigned char*>PyBytes_AS_STRING(result)
     memcpy(out, PyBytes_AS_STRING(magic), <size_t>n)
-    _put_u32(out + n, <uint32_t>body)
-    _put_u32(out + n + 4, <uint32_t>meta)
+    put_u32(out + n, <uint32_t>body)
+    put_u32(out + n + 4, <uint32_t>meta)
     return result
 
 
@@ -176,29 +163,29 @@ cdef class FrameReader:
             return self._split_large(frame)
         have = rbuf._end - rbuf._start
         p = <const unsigned char*>PyByteArray_AS_STRING(rbuf._block) + rbuf._start
-        if have < _HEADER:
+        if have < HEADER:
             if have and not _prefix_ok(p, have):
                 raise _bad_magic(p, have)
             return None
         kind = _kind(p)
         if kind == 0:
             raise _bad_magic(p, min(have, 32))
-        body_size = _u32(p + 4)
-        meta_size = _u32(p + 8)
+        body_size = get_u32(p + 4)
+        meta_size = get_u32(p + 8)
         if <long long>body_size > self.max_body_size:
             raise RemoteProtocolError(
                 f"body_size={body_size} exceeds max_body_size={self.max_body_size}", fatal=True)
         if meta_size > body_size:
             raise RemoteProtocolError(
                 f"meta_size={meta_size} is larger than body_size={body_size}", fatal=True)
-        total = _HEADER + body_size
+        total = HEADER + body_size
         if <uint64_t>have >= total:
             s = rbuf._start
             rbuf._start = s + <Py_ssize_t>total
             self.frames += 1
             mv = memoryview(rbuf._block)
-            meta_end = s + _HEADER + <Py_ssize_t>meta_size
-            meta = _subview(mv, s + _HEADER, <Py_ssize_t>meta_size)
+            meta_end = s + HEADER + <Py_ssize_t>meta_size
+            meta = _subview(mv, s + HEADER, <Py_ssize_t>meta_size)
             return kind, meta, _narrow(mv, meta_end, rbuf._start - meta_end)
         if <long long>total > rbuf.large_threshold:
             if total > <uint64_t>PY_SSIZE_T_MAX:
@@ -210,11 +197,13 @@ cdef class FrameReader:
         cdef Py_buffer* view = PyMemoryView_GET_BUFFER(frame)
         cdef const unsigned char* p = <const unsigned char*>view.buf
         cdef Py_ssize_t meta_end
-        if view.len < _HEADER:  # only after a direct begin_large() with a made-up total
+        cdef int kind
+        if view.len < HEADER:  # only after a direct begin_large() with a made-up total
             return framing_py.FrameReader._split(self, frame)
-        meta_end = _HEADER + <Py_ssize_t>_u32(p + 8)
+        meta_end = HEADER + <Py_ssize_t>get_u32(p + 8)
         if meta_end > view.len:  # only after a direct begin_large() with a made-up total
             return framing_py.FrameReader._split(self, frame)
         self.frames += 1
-        meta = _subview(frame, _HEADER, meta_end - _HEADER)
-        return (_PRPC if p[0] == 0x50 else _STRM), meta, _narrow(frame, meta_end, view.len - meta_end)
+        kind = _PRPC if p[0] == 0x50 else _STRM
+        meta = _subview(frame, HEADER, meta_end - HEADER)
+        return kind, meta, _narrow(frame, meta_end, view.len - meta_end)

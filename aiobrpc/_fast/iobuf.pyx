@@ -14,6 +14,8 @@ from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.ref cimport PyObject
 from libc.string cimport memcpy, memmove
 
+from ._bytes cimport HEADER
+
 from collections import deque
 
 from ..errors import LocalProtocolError
@@ -24,12 +26,9 @@ cdef extern from "Python.h":
     Py_ssize_t _refcnt "Py_REFCNT" (PyObject*)
     Py_buffer* PyMemoryView_GET_BUFFER(object)
 
-HEADER_SIZE = 12
+HEADER_SIZE = HEADER
 DEFAULT_BLOCK_SIZE = 256 * 1024
 DEFAULT_LARGE_THRESHOLD = 64 * 1024
-
-cdef enum:
-    _HEADER = 12
 
 
 def _as_bytes_view(obj):
@@ -117,8 +116,8 @@ cdef class ReadBuffer:
 
     def __cinit__(self, block_size=DEFAULT_BLOCK_SIZE, large_threshold=DEFAULT_LARGE_THRESHOLD):
         if block_size < 2 * large_threshold or large_threshold < HEADER_SIZE:
-            raise LocalProtocolError(
-                f"block_size ({block_size}) must be at least twice large_threshold ({large_threshold})")
+            raise LocalProtocolError(f"block_size ({block_size}) must be at least twice "
+                                     f"large_threshold ({large_threshold})")
         self._block_size = block_size
         self._block = bytearray(self._block_size)
         self._start = 0
@@ -140,13 +139,13 @@ cdef class ReadBuffer:
             return memoryview(self._large)[self._large_filled:]
         if self._start == self._end and self._unshared():
             self._start = self._end = 0
-        if self._block_size - self._end < _HEADER or (
+        if self._block_size - self._end < HEADER or (
                 self._block_size - self._end < self.large_threshold and self._start != self._end):
             self._new_block()
         if self._header_only and self._start == self._end:
             # After a large frame: read just the next header, so a following large frame is
             # received straight into its own buffer.
-            return memoryview(self._block)[self._end:self._end + _HEADER]
+            return memoryview(self._block)[self._end:self._end + HEADER]
         return memoryview(self._block)[self._end:]
 
     def buffer_updated(self, nbytes):
@@ -163,7 +162,7 @@ cdef class ReadBuffer:
             self._large_filled += nbytes
         else:
             self._end += nbytes
-            if self._header_only and self._end - self._start > _HEADER:
+            if self._header_only and self._end - self._start > HEADER:
                 self._header_only = False
         return 0
 

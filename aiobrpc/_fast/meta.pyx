@@ -11,6 +11,7 @@ twin's by construction.
 
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong, PyLong_Check
 from cpython.dict cimport PyDict_SetItem
@@ -20,7 +21,7 @@ from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove
 
-from ._buffer cimport acquire_bytes
+from ._bytes cimport HEADER, acquire_bytes, put_u32
 
 from ..errors import LocalProtocolError, RemoteProtocolError
 from . import meta_py
@@ -244,13 +245,6 @@ cdef int _put_bytes_field(_Out* o, unsigned char tag, const char* p, Py_ssize_t 
     return 0
 
 
-cdef inline void _put_u32(unsigned char* p, uint32_t v) noexcept nogil:
-    p[0] = <unsigned char>(v >> 24)
-    p[1] = <unsigned char>(v >> 16)
-    p[2] = <unsigned char>(v >> 8)
-    p[3] = <unsigned char>v
-
-
 cdef Py_ssize_t _open(_Out* o, unsigned char tag) except -1:
     """Start a sub-message: its tag and a one-byte length slot. Returns where its bytes start."""
     _reserve(o, 2)
@@ -311,7 +305,9 @@ cdef int _blob(_Out* o, unsigned char tag, object v, str name) except -1:
         return _put_bytes_field(o, tag, p, n)
     if isinstance(v, bytes):
         return _put_bytes_field(o, tag, PyBytes_AS_STRING(v), len(<bytes>v))
-    if not isinstance(v, (bytearray, memoryview)):
+    if isinstance(v, bytearray):  # read directly: a subclass's __buffer__ would be Python code
+        return _put_bytes_field(o, tag, PyByteArray_AS_STRING(v), PyByteArray_GET_SIZE(v))
+    if not isinstance(v, memoryview):
         raise LocalProtocolError(f"RpcMeta.{name} must be str or bytes, got {type(v).__name__}")
     try:
         PyObject_GetBuffer(v, &view, PyBUF_SIMPLE)
@@ -319,7 +315,7 @@ cdef int _blob(_Out* o, unsigned char tag, object v, str name) except -1:
         # the pure twin's `bytearray += v` reports a refused buffer as this TypeError
         raise TypeError(f"can't concat {type(v).__name__} to bytearray") from None
     try:
-        if isinstance(v, memoryview) and PyMemoryView_GET_BUFFER(v).ndim == 0:
+        if PyMemoryView_GET_BUFFER(v).ndim == 0:
             len(v)  # raises the pure twin's TypeError (0-dim memory has no length)
         _put_bytes_field(o, tag, <const char*>view.buf, view.len)
     finally:
@@ -443,19 +439,19 @@ def pack_head(magic, meta, payload_size):
             or overflow != 0 or payload < 0 or payload > 0xFFFFFFFF or not _fast_path(meta)):
         return meta_py.pack_head(magic, meta, payload_size)
     o.buf = stack
-    o.n = 12
+    o.n = HEADER
     o.cap = _STACK_SIZE
     o.on_heap = False
     try:
         _encode_into(&o, <RpcMeta>meta)
-        meta_size = <uint64_t>(o.n - 12)
+        meta_size = <uint64_t>(o.n - HEADER)
         body_size = meta_size + <uint64_t>payload
         if body_size > 0xFFFFFFFF:
             raise LocalProtocolError(
                 f"frame body of {body_size} bytes does not fit the 32-bit body_size")
         memcpy(o.buf, PyBytes_AS_STRING(magic), 4)
-        _put_u32(o.buf + 4, <uint32_t>body_size)
-        _put_u32(o.buf + 8, <uint32_t>meta_size)
+        put_u32(o.buf + 4, <uint32_t>body_size)
+        put_u32(o.buf + 8, <uint32_t>meta_size)
         return PyBytes_FromStringAndSize(<char*>o.buf, o.n)
     finally:
         if o.on_heap:
@@ -548,7 +544,6 @@ cdef object _text(const unsigned char* b, Py_ssize_t start, Py_ssize_t stop, str
     raise _bad(f"{name} is not valid UTF-8")
 
 
-
 # service_name and method_name repeat on every call of a connection: decoded once into this
 # small direct-mapped table, they come back as the same str object, whose hash (for the
 # dispatch dict) is then computed once too. Only short ASCII names are kept.
@@ -574,6 +569,7 @@ cdef object _name(const unsigned char* b, Py_ssize_t start, Py_ssize_t stop):
     text = PyUnicode_DecodeUTF8(<const char*>(b + start), n, NULL)  # ASCII: 1 byte a char
     _names[h & (_NAME_SLOTS - 1)] = text
     return text
+
 
 cdef inline object _signed64(uint64_t v):
     return <int64_t>v

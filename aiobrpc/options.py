@@ -1,0 +1,81 @@
+"""ChannelOptions and ServerOptions, named as brpc names them (client.md §1, server.md §1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CONNECTION_TYPES = ("single", "pooled", "short")
+
+
+@dataclass
+class ChannelOptions:
+    """Client options. Times are milliseconds; -1 means "no limit" as in brpc.
+
+    >>> ChannelOptions(timeout_ms=100, max_retry=0).timeout_ms
+    100
+    """
+
+    timeout_ms: int = 500
+    connect_timeout_ms: int = 200
+    max_retry: int = 3
+    backup_request_ms: int = -1
+    connection_type: str = "single"
+    max_body_size: int = 64 * 1024 * 1024
+    max_decompressed_size: int = 64 * 1024 * 1024
+    max_unwritten_bytes: int = 64 * 1024 * 1024
+    auth: Any = None  # an object with generate_credential() -> bytes (may be async)
+    use_full_service_name: bool = True  # brpc's -baidu_protocol_use_fullname
+    deliver_timeout_ms: bool = False  # brpc's -baidu_std_protocol_deliver_timeout_ms
+
+    def __post_init__(self) -> None:
+        _check_ms("timeout_ms", self.timeout_ms)
+        _check_ms("connect_timeout_ms", self.connect_timeout_ms)
+        _check_ms("backup_request_ms", self.backup_request_ms)
+        if not isinstance(self.max_retry, int) or self.max_retry < 0:
+            raise ValueError(f"max_retry must be an int >= 0, got {self.max_retry!r}")
+        if self.connection_type not in CONNECTION_TYPES:
+            raise ValueError(f"connection_type must be one of {CONNECTION_TYPES}, got {self.connection_type!r}")
+        for name in ("max_body_size", "max_decompressed_size", "max_unwritten_bytes"):
+            _check_size(name, getattr(self, name))
+
+
+@dataclass
+class ServerOptions:
+    """Server options.
+
+    >>> ServerOptions(max_concurrency=100).max_concurrency
+    100
+    """
+
+    max_concurrency: int = 0  # 0 = unlimited
+    max_body_size: int = 64 * 1024 * 1024
+    max_decompressed_size: int = 64 * 1024 * 1024
+    max_unwritten_bytes: int = 64 * 1024 * 1024
+    auth: Any = None  # an object with verify_credential(credential, peer) -> bool (may be async)
+    idle_timeout_sec: float = -1
+    first_frame_timeout_sec: float = 10.0  # stricter than brpc: a silent new connection is closed
+    max_connections: int = 10000
+    handler_threads: int = 8  # thread pool for plain-def handlers
+    server_tag: str | None = None  # "[ip:port]" prefix of error texts; default: the local address
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 0:
+            raise ValueError(f"max_concurrency must be an int >= 0, got {self.max_concurrency!r}")
+        for name in ("max_body_size", "max_decompressed_size", "max_unwritten_bytes"):
+            _check_size(name, getattr(self, name))
+        if self.first_frame_timeout_sec <= 0:
+            raise ValueError(f"first_frame_timeout_sec must be > 0, got {self.first_frame_timeout_sec}")
+        if self.max_connections < 1 or self.handler_threads < 1:
+            raise ValueError("max_connections and handler_threads must be >= 1")
+
+
+def _check_ms(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or (v < 0 and v != -1) or v > 0x7FFFFFFF:
+        raise ValueError(f"{name} must be -1 or an int in 0..2147483647, got {v!r}")
+
+
+def _check_size(name: str, v) -> None:
+    if not isinstance(v, int) or not 0 < v <= 0xFFFFFFFF:
+        raise ValueError(f"{name} must be an int in 1..4294967295, got {v!r}")

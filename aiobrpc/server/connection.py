@@ -1,0 +1,140 @@
+"""A server connection: requests dispatched as they arrive, replies in completion order."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from ..errors import RemoteProtocolError
+from ..protocol.baidu_std import SERVER
+from ..protocol.events import StreamFrameReceived
+from ..transport.tcp import FramedConnection, RateLimitedLog
+from .dispatch import auth_failure_response
+
+log = logging.getLogger(__name__)
+_auth_log = RateLimitedLog()
+_timeout_log = RateLimitedLog()
+
+_OPEN, _NEEDS_AUTH, _VERIFYING, _REJECTED = 0, 1, 2, 3
+_MAX_QUEUED_BEFORE_VERDICT = 64
+
+
+class ServerConnection(FramedConnection):
+    def __init__(self, server) -> None:
+        opts = server.options
+        super().__init__(SERVER, opts.max_body_size, opts.max_unwritten_bytes)
+        self.server = server
+        self.credential: bytes | None = None
+        self.auth_state = _OPEN if opts.auth is None else _NEEDS_AUTH
+        self.queued: list = []
+        self.inflight = 0
+        self.frames = 0
+        self.eof = False
+        self.last_active = self.loop.time()
+        self._first_frame_timer = None
+
+    def connection_made_hook(self) -> None:
+        if not self.server.connection_opened(self):
+            return
+        self._first_frame_timer = self.loop.call_later(
+            self.server.options.first_frame_timeout_sec, self._no_first_frame)
+
+    def _no_first_frame(self) -> None:
+        self._first_frame_timer = None
+        if self.frames == 0 and not self.is_closed:
+            self.server.stats.count_close("first_frame_timeout")
+            _timeout_log(logging.INFO, "closing connection from %s: no complete frame within "
+                         "first_frame_timeout_sec=%s", self.peer, self.server.options.first_frame_timeout_sec)
+            self.abort()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_active = self.loop.time()
+        super().buffer_updated(nbytes)
+
+    def event_received(self, ev) -> None:
+        self.frames += 1
+        if self._first_frame_timer is not None:
+            self._first_frame_timer.cancel()
+            self._first_frame_timer = None
+        if type(ev) is StreamFrameReceived:
+            # No stream is ever opened by this server yet, so no frame can be addressed to one.
+            self.server.stats.stream_frames_dropped += 1
+            return
+        if self.auth_state != _OPEN:
+            self._authenticate(ev)
+            return
+        self.server.dispatch(self, ev)
+
+    # -- authentication (once per connection, on the first message) --------------------------
+    def _authenticate(self, ev) -> None:
+        if self.auth_state == _VERIFYING:
+            self.queued.append(ev)
+            if len(self.queued) >= _MAX_QUEUED_BEFORE_VERDICT and self.transport is not None:
+                self.transport.pause_reading()
+            return
+        if self.auth_state == _REJECTED:
+            return
+        self.auth_state = _VERIFYING
+        credential = ev.meta.authentication_data or b""
+        try:
+            verdict = self.server.options.auth.verify_credential(credential, self.peer)
+        except Exception as e:
+            self._auth_done(ev, credential, False, f"authenticator raised {e!r}")
+            return
+        if inspect.isawaitable(verdict):
+            task = self.loop.create_task(self._await_verdict(ev, credential, verdict))
+            self.server.track(task)
+        else:
+            self._auth_done(ev, credential, bool(verdict), "")
+
+    async def _await_verdict(self, ev, credential, verdict) -> None:
+        try:
+            ok = bool(await verdict)
+            why = ""
+        except Exception as e:
+            ok, why = False, f"authenticator raised {e!r}"
+        self._auth_done(ev, credential, ok, why)
+
+    def _auth_done(self, ev, credential: bytes, ok: bool, why: str) -> None:
+        if self.is_closed:
+            return
+        if not ok:
+            self.auth_state = _REJECTED
+            self.queued.clear()
+            self.server.stats.count_close("auth_failed")
+            _auth_log(logging.WARNING, "authentication failed for %s%s", self.peer, f": {why}" if why else "")
+            self.write(auth_failure_response(ev.meta))
+            self.close()
+            return
+        self.credential = bytes(credential)
+        self.auth_state = _OPEN
+        queued, self.queued = self.queued, []
+        self.server.dispatch(self, ev)
+        for q in queued:
+            if self.is_closed:
+                break
+            self.server.dispatch(self, q)
+        if self.transport is not None and not self.is_closed:
+            self.transport.resume_reading()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def keep_open_after_eof(self) -> bool:
+        self.eof = True
+        return self.inflight > 0 or self.auth_state == _VERIFYING
+
+    def request_done(self) -> None:
+        self.inflight -= 1
+        self.last_active = self.loop.time()
+        if self.inflight == 0 and (self.eof or self.server.closing_connections):
+            self.close()
+
+    def protocol_error(self, e: RemoteProtocolError) -> None:
+        self.server.stats.count_close("unknown_protocol" if "unknown protocol" in str(e) else "bad_frame")
+        super().protocol_error(e)
+
+    def closed(self, exc) -> None:
+        if self._first_frame_timer is not None:
+            self._first_frame_timer.cancel()
+            self._first_frame_timer = None
+        self.queued.clear()
+        self.server.connection_closed(self)

@@ -1,0 +1,189 @@
+"""Service registry and the life of one request at the server (baidu_std.md §6.2, §9).
+
+Checks run in brpc's order: stopping → max_concurrency → attachment size → service/method
+lookup → request parse → user code. Every rejection is a meta-only error response and keeps
+the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+
+from google.protobuf.message import EncodeError
+
+from .. import _fast
+from ..controller import Controller
+from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EREQUEST, ERESPONSE,
+                      RemoteProtocolError, RpcError)
+from ..protocol import baidu_std, checksum, compress, content
+from ..stub import Servicer, message_class
+
+log = logging.getLogger(__name__)
+
+
+class MethodEntry:
+    __slots__ = ("service_name", "method_name", "handler", "is_async", "request_class",
+                 "response_class", "full_name")
+
+    def __init__(self, descriptor, handler) -> None:
+        self.service_name = descriptor.containing_service.full_name
+        self.method_name = descriptor.name
+        self.full_name = f"{self.service_name}/{self.method_name}"
+        self.handler = handler
+        self.is_async = inspect.iscoroutinefunction(handler)
+        self.request_class = message_class(descriptor.input_type)
+        self.response_class = message_class(descriptor.output_type)
+
+
+class Registry:
+    """Services by full name, and by short name when that is unique (brpc resolves both)."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, dict[str, MethodEntry]] = {}
+        self._short: dict[str, str | None] = {}
+
+    def add(self, servicer: Servicer) -> None:
+        service = getattr(servicer, "SERVICE", None)
+        if service is None or not hasattr(service, "methods"):
+            raise TypeError(f"{type(servicer).__name__} needs SERVICE = <a protobuf ServiceDescriptor>")
+        if service.full_name in self.services:
+            raise ValueError(f"service {service.full_name} is already added")
+        methods = {}
+        for m in service.methods:
+            handler = getattr(servicer, m.name, None)
+            if handler is None or not callable(handler):
+                handler = _not_implemented(m.name)
+            methods[m.name] = MethodEntry(m, handler)
+        self.services[service.full_name] = methods
+        short = service.name
+        self._short[short] = None if short in self._short else service.full_name
+
+    def lookup(self, service_name: str, method_name: str) -> MethodEntry:
+        if "." not in service_name:
+            full = self._short.get(service_name)
+            if full is None:
+                raise RpcError(ENOSERVICE, f"Fail to find service={service_name}")
+        else:
+            full = service_name
+        methods = self.services.get(full)
+        entry = methods.get(method_name) if methods is not None else None
+        if entry is None:
+            raise RpcError(ENOMETHOD, f"Fail to find method={full}/{method_name}")
+        return entry
+
+
+def _not_implemented(name: str):
+    async def handler(request, cntl):
+        raise RpcError(EINTERNAL, f"Method {name}() not implemented.")
+    return handler
+
+
+def server_controller(ev, conn) -> Controller:
+    meta = ev.meta
+    cntl = Controller()
+    cntl.log_id = meta.log_id
+    cntl.timeout_ms = meta.timeout_ms
+    cntl.request_id = meta.request_id
+    cntl.service_name = meta.service_name or ""
+    cntl.method_name = meta.method_name or ""
+    cntl.correlation_id = meta.correlation_id or 0
+    cntl.request_compress_type = meta.compress_type or 0
+    cntl.request_checksum = bool(meta.checksum_type)
+    cntl.request_attachment = ev.attachment
+    if meta.user_fields:
+        cntl.request_user_fields = dict(meta.user_fields)
+    cntl.authentication_data = conn.credential
+    cntl.remote_side = conn.peer
+    cntl.local_side = conn.local
+    return cntl
+
+
+def parse_request(entry: MethodEntry, ev, max_decompressed_size: int):
+    meta = ev.meta
+    try:
+        data = baidu_std.decode_data(meta, ev.data, ev.attachment, max_decompressed_size)
+        return content.parse(entry.request_class, data, meta.content_type or 0)
+    except RemoteProtocolError as e:
+        raise RpcError(EREQUEST, (
+            f"Fail to parse request={entry.request_class.DESCRIPTOR.full_name}, "
+            f"ContentType={content.name(meta.content_type or 0)}, "
+            f"CompressType={compress.name(meta.compress_type or 0)}, "
+            f"ChecksumType={checksum.name(meta.checksum_type or 0)}, "
+            f"request_size={len(ev.data)} ({e})")) from None
+
+
+def error_response(conn, request_meta, code: int, text: str, tag: str) -> list:
+    """A meta-only error response, with the fields C++ writes (baidu_std.md §6.2)."""
+    meta = _fast.RpcMeta()
+    meta.has_response = True
+    if code == -1:
+        code = EINTERNAL
+        meta.error_text = f"[{tag}]{text}"
+    else:
+        meta.error_text = f"[{tag}][E{code}]{text}"
+    meta.error_code = code
+    meta.compress_type = 0
+    meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
+    meta.content_type = 0
+    meta.checksum_type = 0
+    meta.checksum_value = request_meta.checksum_value if request_meta.checksum_value is not None else b""
+    return baidu_std.pack(meta, b"")
+
+
+def success_response(request_meta, response, cntl: Controller) -> list:
+    try:
+        serialized = response.SerializeToString()
+    except EncodeError as e:
+        raise RpcError(ERESPONSE, f"Fail to serialize response={response.DESCRIPTOR.full_name}: {e}") from None
+    meta = _fast.RpcMeta()
+    meta.has_response = True
+    meta.error_code = 0
+    meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
+    attachment = cntl.response_attachment
+    try:
+        data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
+                                     cntl.response_checksum, cntl.response_checksum)
+    except ValueError as e:
+        raise RpcError(ERESPONSE, str(e)) from None
+    fields = cntl._response_user_fields
+    if fields:
+        meta.user_fields = list(fields.items())
+    meta.content_type = 0
+    if meta.checksum_type is None:
+        # C++ quirk kept for byte-exact replies: with no response checksum, the request's
+        # checksum_value is echoed (with checksum_type 0, so it is never verified).
+        meta.checksum_type = 0
+        meta.checksum_value = request_meta.checksum_value if request_meta.checksum_value is not None else b""
+    return baidu_std.pack(meta, data, attachment)
+
+
+def auth_failure_response(request_meta, extra: str = "") -> list:
+    meta = _fast.RpcMeta()
+    meta.has_response = True
+    meta.error_code = 1004
+    meta.error_text = "Fail to authenticate" + (f": {extra}" if extra else "")
+    meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
+    return baidu_std.pack(meta, b"")
+
+
+async def run_handler(entry: MethodEntry, request, cntl: Controller, executor):
+    if entry.is_async:
+        return await entry.handler(request, cntl)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, entry.handler, request, cntl)
+
+
+def admission_error(server, ev):
+    """The rejection a request gets before its handler is looked up, or None."""
+    if server.stopping:
+        return ELOGOFF, "Server is stopping"
+    limit = server.options.max_concurrency
+    if limit and server.concurrency >= limit:
+        return ELIMIT, f"Reached server's max_concurrency={limit}"
+    if ev.error is not None:
+        return ev.error.code, str(ev.error)
+    if not ev.meta.has_request:
+        return EREQUEST, "the request meta (RpcMeta.request) is missing"
+    return None

@@ -1,0 +1,242 @@
+"""Server: listens, accepts, dispatches each request to its servicer in its own task.
+
+>>> server = Server(ServerOptions())  # doctest: +SKIP
+>>> server.add_service(Echo())  # doctest: +SKIP
+>>> await server.start("127.0.0.1:0"); print(server.port)  # doctest: +SKIP
+>>> await server.stop(); await server.join()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+
+from ..errors import EINTERNAL, ERESPONSE, RpcError
+from ..options import ServerOptions
+from ..stub import Servicer
+from ..transport.tcp import RateLimitedLog, buffers_size
+from .connection import ServerConnection
+from .dispatch import (Registry, admission_error, error_response, parse_request, run_handler,
+                       server_controller, success_response)
+
+log = logging.getLogger(__name__)
+_refuse_log = RateLimitedLog()
+
+
+class ServerStats:
+    """Counters, plain integers updated in the hot path and read when scraped."""
+
+    __slots__ = ("requests", "failed_requests", "dropped_replies", "connections_accepted",
+                 "connections_refused", "stream_frames_dropped", "closed")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.failed_requests = 0
+        self.dropped_replies = 0
+        self.connections_accepted = 0
+        self.connections_refused = 0
+        self.stream_frames_dropped = 0
+        self.closed: collections.Counter = collections.Counter()
+
+    def count_close(self, reason: str) -> None:
+        self.closed[reason] += 1
+
+
+class Server:
+    """A baidu_std server. Add servicers, `await start(address)`, later `stop()` and `join()`."""
+
+    def __init__(self, options: ServerOptions | None = None) -> None:
+        if options is None:
+            options = ServerOptions()
+        elif not isinstance(options, ServerOptions):
+            raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
+        self.options = options
+        self.registry = Registry()
+        self.stats = ServerStats()
+        self.connections: set[ServerConnection] = set()
+        self.concurrency = 0
+        self.stopping = False
+        self.closing_connections = False
+        self._listener: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._idle_event: asyncio.Event | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._idle_checker: asyncio.Task | None = None
+        self.port = 0
+        self.host = ""
+
+    def add_service(self, servicer: Servicer) -> None:
+        if self._listener is not None:
+            raise RuntimeError("add services before start()")
+        self.registry.add(servicer)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self, address: str | int = "127.0.0.1:0") -> None:
+        if self._listener is not None:
+            raise RuntimeError("server is already started")
+        if isinstance(address, int):
+            host, port = "0.0.0.0", address
+        else:
+            host, sep, port_s = address.rpartition(":")
+            if not sep or not port_s.isdigit():
+                raise ValueError(f"address must look like 'host:port' (port 0 = any), got {address!r}")
+            host, port = host.strip("[]") or "0.0.0.0", int(port_s)
+        loop = asyncio.get_running_loop()
+        self.stopping = False
+        self.closing_connections = False
+        self._idle_event = asyncio.Event()
+        self._idle_event.set()
+        self._listener = await loop.create_server(lambda: ServerConnection(self), host, port,
+                                                  reuse_address=True)
+        sockname = self._listener.sockets[0].getsockname()
+        self.host, self.port = sockname[0], sockname[1]
+        if self.options.idle_timeout_sec > 0:
+            self._idle_checker = loop.create_task(self._close_idle_connections())
+
+    async def stop(self) -> None:
+        """Stop accepting; new requests on open connections get ELOGOFF; in-flight ones finish."""
+        self.stopping = True
+        if self._listener is not None:
+            self._listener.close()
+
+    async def join(self, timeout: float | None = None) -> None:
+        """Wait for in-flight requests (up to `timeout` s, then cancel them), close connections."""
+        if not self.stopping:
+            await self.stop()
+        if self._idle_event is not None and not self._idle_event.is_set():
+            try:
+                await asyncio.wait_for(self._idle_event.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("cancelling %d requests still running after %ss", self.concurrency, timeout)
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.closing_connections = True
+        for conn in list(self.connections):
+            conn.close()
+        if self._idle_checker is not None:
+            self._idle_checker.cancel()
+            await asyncio.gather(self._idle_checker, return_exceptions=True)
+            self._idle_checker = None
+        if self._listener is not None:
+            await self._listener.wait_closed()
+            self._listener = None
+        for _ in range(100):
+            if not self.connections:
+                break
+            await asyncio.sleep(0.01)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+        await self.join()
+
+    # -- connections -------------------------------------------------------------------------
+    def connection_opened(self, conn: ServerConnection) -> bool:
+        if len(self.connections) >= self.options.max_connections or self.stopping:
+            self.stats.connections_refused += 1
+            _refuse_log(logging.WARNING, "refusing connection from %s: %d connections open (max_connections=%d)",
+                        conn.peer, len(self.connections), self.options.max_connections)
+            conn.abort()
+            return False
+        self.stats.connections_accepted += 1
+        self.connections.add(conn)
+        return True
+
+    def connection_closed(self, conn: ServerConnection) -> None:
+        self.connections.discard(conn)
+
+    def track(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _close_idle_connections(self) -> None:
+        limit = self.options.idle_timeout_sec
+        while True:
+            await asyncio.sleep(min(1.0, limit))
+            now = asyncio.get_running_loop().time()
+            for conn in list(self.connections):
+                if conn.inflight == 0 and now - conn.last_active > limit:
+                    self.stats.count_close("idle_timeout")
+                    conn.close()
+
+    # -- requests ----------------------------------------------------------------------------
+    def _tag(self, conn: ServerConnection) -> str:
+        return self.options.server_tag or conn.local
+
+    def dispatch(self, conn: ServerConnection, ev) -> None:
+        self.stats.requests += 1
+        meta = ev.meta
+        rejected = admission_error(self, ev)
+        try:
+            if rejected is not None:
+                raise RpcError(*rejected)
+            entry = self.registry.lookup(meta.service_name, meta.method_name)
+            request = parse_request(entry, ev, self.options.max_decompressed_size)
+        except RpcError as e:
+            self.stats.failed_requests += 1
+            bufs = error_response(conn, meta, e.code, e.text, self._tag(conn))
+            conn.write(bufs, buffers_size(bufs))
+            return
+        cntl = server_controller(ev, conn)
+        self.concurrency += 1
+        conn.inflight += 1
+        self._idle_event.clear()
+        task = asyncio.get_running_loop().create_task(self._serve(conn, meta, entry, request, cntl))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
+        try:
+            response = None
+            try:
+                response = await run_handler(entry, request, cntl, self._thread_pool()
+                                             if not entry.is_async else None)
+            except RpcError as e:
+                cntl.set_failed(e.code, e.text)
+            except Exception as e:
+                log.exception("handler %s failed", entry.full_name)
+                cntl.set_failed(EINTERNAL, f"{type(e).__name__}: {e}")
+            if conn.is_closed:
+                self.stats.dropped_replies += 1
+                return
+            if cntl._close_reason is not None:
+                self.stats.count_close("close_connection")
+                conn.close()
+                return
+            bufs = None
+            if not cntl.failed:
+                if not isinstance(response, entry.response_class):
+                    cntl.set_failed(ERESPONSE, f"handler returned {type(response).__name__}, expected "
+                                    f"{entry.response_class.DESCRIPTOR.full_name}")
+                else:
+                    try:
+                        bufs = success_response(meta, response, cntl)
+                    except RpcError as e:
+                        cntl.set_failed(e.code, e.text)
+            if cntl.failed:
+                self.stats.failed_requests += 1
+                bufs = error_response(conn, meta, cntl.error_code, cntl.error_text, self._tag(conn))
+            conn.write(bufs, buffers_size(bufs))
+        finally:
+            self.concurrency -= 1
+            if self.concurrency == 0:
+                self._idle_event.set()
+            conn.request_done()
+
+    def _thread_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.options.handler_threads, thread_name_prefix="aiobrpc-handler")
+        return self._executor

@@ -1,0 +1,237 @@
+"""TCP glue: one asyncio.BufferedProtocol per connection over the baidu_std codec.
+
+Bytes in: the kernel reads straight into the decoder's buffers (get_buffer/buffer_updated),
+and every complete event goes to `event_received`. Bytes out: buffers produced during one
+loop iteration are collected and flushed once, with one `writelines` on uvloop (which
+sends them with one scatter-gather call and no join). Plain asyncio on Python 3.11 joins
+whatever `writelines` gets, so there small buffers are joined here and large ones are
+written one by one, which keeps an attachment from being copied into a joined bytes object.
+
+Backpressure: bytes queued per connection (ours plus the transport's) are capped by
+`max_unwritten_bytes`; `writable()` tells a caller whether another message may be queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+from ..errors import RemoteProtocolError
+from ..protocol.baidu_std import Decoder
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_UNWRITTEN_BYTES = 64 * 1024 * 1024
+_JOIN_LIMIT = 64 * 1024  # asyncio only: buffers below this are joined, larger are written alone
+_LOG_INTERVAL = 1.0
+
+
+class RateLimitedLog:
+    """At most one record per interval for a noisy cause; counts what it suppressed."""
+
+    __slots__ = ("_next", "suppressed")
+
+    def __init__(self) -> None:
+        self._next = 0.0
+        self.suppressed = 0
+
+    def __call__(self, level: int, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        self._next = now + _LOG_INTERVAL
+        if self.suppressed:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, self.suppressed)
+            self.suppressed = 0
+        log.log(level, msg, *args)
+
+
+protocol_error_log = RateLimitedLog()
+
+
+def _is_uvloop_transport(transport) -> bool:
+    return type(transport).__module__.startswith("uvloop")
+
+
+class FramedConnection(asyncio.BufferedProtocol):
+    """Base of client and server connections. Subclasses implement `event_received`,
+    `connection_made_hook` and `closed`."""
+
+    def __init__(self, role: str, max_body_size: int,
+                 max_unwritten_bytes: int = DEFAULT_MAX_UNWRITTEN_BYTES) -> None:
+        self.decoder = Decoder(role, max_body_size)
+        self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.peer: str = ""
+        self.local: str = ""
+        self.max_unwritten_bytes = max_unwritten_bytes
+        self.is_closed = False
+        self.close_reason: BaseException | None = None
+        self._out: list = []
+        self._out_bytes = 0
+        self._flush_scheduled = False
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future] = []
+        self._writelines_ok = False
+
+    # -- asyncio callbacks --------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._writelines_ok = _is_uvloop_transport(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # not TCP (a unix socket in a test); nothing to tune
+                pass
+        self.peer = _fmt(transport.get_extra_info("peername"))
+        self.local = _fmt(transport.get_extra_info("sockname"))
+        self.connection_made_hook()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        decoder = self.decoder
+        decoder.buffer_updated(nbytes)
+        try:
+            while not self.is_closed:
+                ev = decoder.next_event()
+                if ev is None:
+                    break
+                self.event_received(ev)
+        except RemoteProtocolError as e:
+            self.protocol_error(e)
+
+    def eof_received(self) -> bool:
+        # Keep the write side open so replies to requests already received still go out
+        # (a client may half-close after its last request).
+        pending = self.decoder.pending_bytes()
+        if pending:
+            protocol_error_log(logging.WARNING, "%s closed with a truncated frame of %d bytes buffered",
+                               self.peer, pending)
+        return self.keep_open_after_eof()
+
+    def connection_lost(self, exc) -> None:
+        if self.is_closed and self.transport is None:
+            return
+        self.is_closed = True
+        self.transport = None
+        self._out.clear()
+        self._out_bytes = 0
+        self.decoder.reader.rbuf.clear()
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_result(None)
+        self._drain_waiters.clear()
+        self.closed(self.close_reason or exc)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def connection_made_hook(self) -> None:
+        pass
+
+    def keep_open_after_eof(self) -> bool:
+        return False
+
+    def closed(self, exc: BaseException | None) -> None:
+        pass
+
+    # -- writing -----------------------------------------------------------------------------
+    def unwritten_bytes(self) -> int:
+        t = self.transport
+        return self._out_bytes + (t.get_write_buffer_size() if t is not None else 0)
+
+    def writable(self, nbytes: int = 0) -> bool:
+        """Whether `nbytes` more may be queued without passing max_unwritten_bytes."""
+        return self.unwritten_bytes() + nbytes <= self.max_unwritten_bytes
+
+    def write(self, buffers: list, nbytes: int = -1) -> None:
+        """Queue one message's buffers; they go out at the end of this loop iteration."""
+        if self.is_closed:
+            return
+        if nbytes < 0:
+            nbytes = buffers_size(buffers)
+        self._out.extend(buffers)
+        self._out_bytes += nbytes
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out = self._out
+        if not out or self.transport is None:
+            return
+        self._out = []
+        self._out_bytes = 0
+        if self._writelines_ok:
+            self.transport.writelines(out)
+            return
+        small: list = []
+        for buf in out:
+            if len(buf) < _JOIN_LIMIT if type(buf) is bytes else buf.nbytes < _JOIN_LIMIT:
+                small.append(buf)
+                continue
+            if small:
+                self.transport.write(b"".join(small))
+                small = []
+            self.transport.write(buf)
+        if small:
+            self.transport.write(b"".join(small) if len(small) > 1 else small[0])
+
+    async def drain(self) -> None:
+        """Wait while the transport has asked us to stop writing."""
+        if self._paused and not self.is_closed:
+            w = self.loop.create_future()
+            self._drain_waiters.append(w)
+            await w
+
+    def close(self, reason: BaseException | None = None) -> None:
+        """Flush what is queued, then close."""
+        if self.is_closed:
+            return
+        if reason is not None and self.close_reason is None:
+            self.close_reason = reason
+        self.is_closed = True
+        if self.transport is not None:
+            self._flush()
+            self.transport.close()
+
+    def abort(self, reason: BaseException | None = None) -> None:
+        """Close now, dropping what is queued."""
+        if reason is not None and self.close_reason is None:
+            self.close_reason = reason
+        self.is_closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def protocol_error(self, e: RemoteProtocolError) -> None:
+        head = self.decoder.reader.rbuf.peek(min(self.decoder.reader.rbuf.available(), 32))
+        protocol_error_log(logging.WARNING, "closing connection from %s: %s (first bytes: %s)",
+                           self.peer, e, bytes(head).hex())
+        self.abort(e)
+
+
+def buffers_size(buffers: list) -> int:
+    return sum(len(b) if type(b) is bytes else b.nbytes for b in buffers)
+
+
+def _fmt(addr) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = addr[0]
+        return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+    return str(addr) if addr else ""
