@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+import uvloop
 from hypothesis import HealthCheck, settings
 
 from aiobrpc import _fast
@@ -22,3 +25,8 @@ def twin(request):
     _fast.use(request.param)
     yield request.param
     _fast.use(before)
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Every async test runs on plain asyncio and on uvloop."""
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}

@@ -1,0 +1,34 @@
+"""End-to-end fixtures: a test fails on any exception that reaches the loop's exception handler."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest_asyncio
+
+import aiobrpc
+from tests.helpers.interop_server import InteropEcho
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def loop_errors():
+    loop = asyncio.get_running_loop()
+    errors: list = []
+    loop.set_exception_handler(lambda lp, ctx: errors.append(ctx))
+    yield errors
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert not errors, f"exceptions reached the loop's handler: {errors}"
+
+
+@pytest_asyncio.fixture
+async def interop():
+    """(server, servicer) of the interop EchoService on an ephemeral port."""
+    servicer = InteropEcho()
+    server = aiobrpc.Server(aiobrpc.ServerOptions(server_tag="127.0.0.1:9110"))
+    server.add_service(servicer)
+    await server.start("127.0.0.1:0")
+    yield server, servicer
+    await server.stop()
+    await server.join(timeout=2)
+    assert not server.connections

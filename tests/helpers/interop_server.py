@@ -1,0 +1,63 @@
+"""A Python twin of the golden captures' C++ probe_server (interop.EchoService)."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import aiobrpc
+from aiobrpc._proto import interop_pb2
+
+SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
+
+
+class InteropEcho(aiobrpc.Servicer):
+    """The behaviour written in interop.proto's comments and the golden README."""
+
+    SERVICE = SERVICE
+
+    def __init__(self) -> None:
+        self.calls_served = 0
+        self.executed: list[int] = []
+
+    async def Echo(self, request, cntl):
+        self.calls_served += 1
+        served = self.calls_served
+        self.executed.append(cntl.correlation_id)
+        if request.sleep_ms:
+            await asyncio.sleep(request.sleep_ms / 1000)
+        if request.close_connection:
+            cntl.close_connection("asked by the request")
+            return None
+        if request.HasField("fail_code"):
+            cntl.set_failed(request.fail_code, request.fail_text)
+            return None
+        att = bytes(cntl.request_attachment) if cntl.request_attachment is not None else b""
+        resp = interop_pb2.EchoResponse(
+            message=request.message,
+            log_id=cntl.log_id or 0,
+            request_compress_type=cntl.request_compress_type,
+            request_attachment_size=len(att),
+            request_attachment_crc32=zlib.crc32(att),
+            server_timeout_ms=cntl.timeout_ms if cntl.timeout_ms is not None else -1,
+            calls_served=served,
+            payload_size=len(request.payload),
+            payload_crc32=zlib.crc32(request.payload),
+        )
+        if cntl.authentication_data:
+            resp.authentication_data = cntl.authentication_data
+        fields = cntl.request_user_fields
+        if fields:
+            resp.user_fields.extend(sorted(f"{k}={v}" for k, v in fields.items()))
+            cntl.response_user_fields = dict(reversed(list(fields.items())))
+            if "x-interop-response-checksum" in fields:
+                cntl.response_checksum = True
+        cntl.response_compress_type = request.response_compress_type
+        extra = bytes(i % 251 for i in range(request.response_attachment_size))
+        if request.echo_attachment and att or extra:
+            cntl.response_attachment = (cntl.request_attachment if request.echo_attachment and not extra
+                                        else (att if request.echo_attachment else b"") + extra)
+        return resp
+
+    async def StartStream(self, request, cntl):
+        raise aiobrpc.RpcError(aiobrpc.errors.EREQUEST, "streams are not supported yet")

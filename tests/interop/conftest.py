@@ -1,0 +1,1 @@
+from tests.e2e.conftest import interop, loop_errors  # noqa: F401
