@@ -35,7 +35,7 @@ class Controller:
         "response_attachment", "_request_user_fields", "_response_user_fields",
         "authentication_data", "remote_side", "local_side", "latency_us", "error_code",
         "error_text", "retried_count", "has_backup_request", "service_name", "method_name",
-        "correlation_id", "_close_reason", "request_content_type",
+        "correlation_id", "_close_reason", "request_content_type", "__weakref__",
     )
 
     def __init__(self, *, log_id: int | None = None, timeout_ms: int | None = None,

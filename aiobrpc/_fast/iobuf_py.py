@@ -38,6 +38,8 @@ def _as_bytes_view(obj) -> memoryview:
             f"expected a bytes-like object (buffer protocol), got {type(obj).__name__}") from None
     if not mv.c_contiguous:
         raise LocalProtocolError("buffer must be C-contiguous to be sent without a copy")
+    if mv.nbytes == 0:
+        return memoryview(b"")
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
@@ -107,7 +109,7 @@ class ReadBuffer:
     """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
 
     __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled",
-                 "_header_only", "large_threshold", "copied_bytes")
+                 "_complete", "_header_only", "large_threshold", "copied_bytes")
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
                  large_threshold: int = DEFAULT_LARGE_THRESHOLD) -> None:
@@ -120,6 +122,7 @@ class ReadBuffer:
         self._end = 0
         self._large = None
         self._large_filled = 0
+        self._complete = None
         self._header_only = False
         self.large_threshold = large_threshold
         self.copied_bytes = 0
@@ -127,7 +130,13 @@ class ReadBuffer:
     # -- kernel side -------------------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._large is not None:
-            return memoryview(self._large)[self._large_filled:]
+            if self._large_filled < len(self._large):
+                return memoryview(self._large)[self._large_filled:]
+            # Complete but not taken yet (a caller feeding before parsing): park it and go on
+            # reading into the block.
+            self._complete = self._large
+            self._large = None
+            self._large_filled = 0
         if self._start == self._end and self._unshared():
             self._start = self._end = 0
             if len(self._block) != self._block_size:
@@ -189,10 +198,14 @@ class ReadBuffer:
         self._large_filled = have
 
     def large_pending(self) -> bool:
-        return self._large is not None
+        return self._large is not None or self._complete is not None
 
     def take_large(self) -> memoryview | None:
         """The large frame's buffer once it is complete, else None."""
+        if self._complete is not None:
+            large, self._complete = self._complete, None
+            self._header_only = True
+            return memoryview(large)
         large = self._large
         if large is None or self._large_filled < len(large):
             return None
@@ -203,11 +216,13 @@ class ReadBuffer:
 
     def pending_bytes(self) -> int:
         """Bytes received but not yet consumed (a partial frame)."""
-        return self._end - self._start + self._large_filled
+        done = len(self._complete) if self._complete is not None else 0
+        return self._end - self._start + self._large_filled + done
 
     def clear(self) -> None:
         """Drop everything buffered (connection closed)."""
         self._large = None
+        self._complete = None
         self._large_filled = 0
         self._start = self._end = 0
         if not self._unshared() or len(self._block) != self._block_size:

@@ -218,6 +218,9 @@ class Channel:
         finally:
             if timer is not None:
                 timer.cancel()
+            # The failed future holds the exception whose traceback holds this frame: drop
+            # it so a failed call leaves no cycle keeping the caller's objects alive.
+            fut = None
         return _finish(ev, response_class, cntl, opts.max_decompressed_size)
 
     def __repr__(self) -> str:

@@ -284,17 +284,22 @@ def frame_bytes(kind: bytes, meta: bytes, payload_size: int, seed: int) -> bytes
 
 
 @st.composite
-def frame_stream(draw, max_payload: int) -> bytes:
-    out = bytearray()
+def frame_stream(draw, max_payload: int, large_threshold: int = 0) -> tuple[bytes, set[int]]:
+    """Frames (and sometimes a bad header) in a row, and where each frame over
+    `large_threshold` ends."""
+    out, large_ends = bytearray(), set()
     for i in range(draw(st.integers(1, 10))):
-        out += frame_bytes(draw(st.sampled_from([b"PRPC", b"STRM"])), draw(st.binary(max_size=20)),
-                           draw(st.integers(0, max_payload) | st.sampled_from([0, 1])), i)
-    if draw(st.integers(0, 4)) == 0:  # a bad header somewhere (magic, sizes) or trailing junk
-        bad = draw(st.sampled_from([b"PRPX" + bytes(8), b"X", b"STRM\0\0\0\x01\0\0\0\x05x",
-                                    b"PRPC\xff\xff\xff\xff\0\0\0\0", b"PRPC\0\0\x10\0\0\0\0\0"]))
-        at = draw(st.integers(0, len(out)))
-        out[at:at] = bad
-    return bytes(out)
+        if draw(st.integers(0, 9)) == 0:  # a bad header (magic, sizes) or junk, then stop
+            out += draw(st.sampled_from([b"PRPX" + bytes(8), b"X", b"STRM\0\0\0\x01\0\0\0\x05x",
+                                         b"PRPC\xff\xff\xff\xff\0\0\0\0",
+                                         b"PRPC\0\0\x10\0\0\0\0\0"]))
+            break
+        f = frame_bytes(draw(st.sampled_from([b"PRPC", b"STRM"])), draw(st.binary(max_size=20)),
+                        draw(st.integers(0, max_payload) | st.sampled_from([0, 1])), i)
+        out += f
+        if len(f) > large_threshold:
+            large_ends.add(len(out))
+    return bytes(out), large_ends
 
 
 def view_shape(v: memoryview) -> tuple:
@@ -352,7 +357,8 @@ reader_options = st.fixed_dictionaries({
 @given(frame_stream(max_payload=700), st.lists(st.integers(1, 400), min_size=1, max_size=30),
        reader_options, st.integers(1, 3))
 @settings(max_examples=250)
-def test_frame_reader_kernel_path_agrees(stream, reads, options, keep_every):
+def test_frame_reader_kernel_path_agrees(framed, reads, options, keep_every):
+    stream = framed[0]
     runs = [Run(framing_c, keep_every, **options), Run(framing_py, keep_every, **options)]
     for run in runs:
         pos, i = 0, 0
@@ -366,23 +372,30 @@ def test_frame_reader_kernel_path_agrees(stream, reads, options, keep_every):
     assert runs[0].views_intact() and runs[1].views_intact()
 
 
-@given(frame_stream(max_payload=60), st.lists(st.integers(1, 100), min_size=1, max_size=30),
-       st.integers(1, 3))
+@given(frame_stream(max_payload=400, large_threshold=100),
+       st.lists(st.integers(1, 300), min_size=1, max_size=30), st.integers(1, 3), st.booleans())
 @settings(max_examples=200)
-def test_frame_reader_feed_path_agrees(stream, cuts, keep_every):
-    # frames and chunks within large_threshold: the pure feed() loops forever on a chunk the
-    # block cannot take (see the compiled-only test below)
+def test_frame_reader_feed_path_agrees(framed, cuts, keep_every, drain_between):
+    # Without draining between feeds the block grows to hold every frame fed. No chunk goes
+    # past the end of a large frame: the pure twin's feed() spins forever there (see the
+    # compiled-only test below).
+    stream, large_ends = framed
     options = {"block_size": 256, "large_threshold": 100}
+    ends, pos, i = set(large_ends), 0, 0
+    while pos < len(stream):
+        pos += cuts[i % len(cuts)]
+        i += 1
+        ends.add(min(pos, len(stream)))
     runs = [Run(framing_c, keep_every, **options), Run(framing_py, keep_every, **options)]
     for run in runs:
-        pos, i = 0, 0
-        while pos < len(stream):
-            chunk = stream[pos:pos + cuts[i % len(cuts)]]
+        start = 0
+        for i, end in enumerate(sorted(ends)):
+            chunk = stream[start:end]
             run.reader.feed(chunk if i % 2 else bytearray(chunk))
-            pos += len(chunk)
-            i += 1
-            if not run.drain():
+            start = end
+            if drain_between and not run.drain():
                 break
+        run.drain()
     assert runs[0].log == runs[1].log
     assert runs[0].views_intact() and runs[1].views_intact()
 

@@ -1,0 +1,384 @@
+"""The `aiobrpc` command (also `python -m aiobrpc`).
+
+    aiobrpc demo [--seconds 5] [--concurrency 64] [--size 16] [--loop uvloop|asyncio]
+    aiobrpc call 127.0.0.1:8000 example.EchoService/Echo --proto proto/echo.proto -d '{"message": "hi"}'
+    aiobrpc serve-echo --port 8000
+
+Exit status: 0 success, 1 the RPC (or the server) failed, 2 usage error. User errors are
+reported in one line, never with a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import logging
+import math
+import os
+import signal
+import sys
+import time
+
+from . import __version__, _fast
+from ._proto import echo_pb2
+from .client.channel import Channel, parse_address
+from .controller import Controller
+from .errors import RpcError
+from .options import ChannelOptions, ServerOptions
+from .server.server import Server
+from .stub import Servicer, Stub, message_class
+
+ECHO_SERVICE = echo_pb2.DESCRIPTOR.services_by_name["EchoService"]
+
+
+class UsageError(Exception):
+    """Bad arguments found after parsing (address, files, JSON): exit status 2."""
+
+
+class EchoServiceImpl(Servicer):
+    """brpc's example echo service: message and attachment come back as sent.
+
+    A request with sleep_ms > 0 is answered that much later, to try timeouts.
+    """
+
+    SERVICE = ECHO_SERVICE
+
+    async def Echo(self, request, cntl):
+        if request.sleep_ms > 0:
+            await asyncio.sleep(request.sleep_ms / 1000)
+        cntl.response_attachment = cntl.request_attachment
+        return echo_pb2.EchoResponse(message=request.message)
+
+
+# -- event loops -----------------------------------------------------------------------------
+def _loop_factory(name: str | None):
+    if name in (None, "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if name == "uvloop":
+                raise UsageError("uvloop is not installed: `pip install uvloop` or use --loop asyncio") from None
+        else:
+            return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def _run(coro, loop_name: str | None = None):
+    try:
+        factory = _loop_factory(loop_name)
+    except UsageError:
+        coro.close()
+        raise
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(coro)
+    loop = factory()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+# -- demo ------------------------------------------------------------------------------------
+class _Load:
+    __slots__ = ("latencies_ns", "errors", "first_error")
+
+    def __init__(self) -> None:
+        self.latencies_ns = array.array("q")  # of successful calls only, as brpc's rpc_press
+        self.errors = 0
+        self.first_error = ""
+
+    @property
+    def calls(self) -> int:
+        return len(self.latencies_ns) + self.errors
+
+    def fail(self, text: str) -> None:
+        self.errors += 1
+        if not self.first_error:
+            self.first_error = text
+
+
+async def _caller(stub: Stub, payload: bytes | None, deadline: float, load: _Load) -> None:
+    loop = asyncio.get_running_loop()
+    request = echo_pb2.EchoRequest(message="aiobrpc")
+    size = len(payload) if payload else 0
+    latencies = load.latencies_ns
+    clock = time.perf_counter_ns
+    while loop.time() < deadline:
+        cntl = Controller(request_attachment=payload)
+        start = clock()
+        try:
+            response = await stub.Echo(request, cntl)
+        except RpcError as e:
+            load.fail(str(e))
+            continue
+        elapsed = clock() - start
+        attachment = cntl.response_attachment
+        if response.message != request.message or (len(attachment) if attachment is not None else 0) != size:
+            load.fail("the echo differs from the request")
+            continue
+        latencies.append(elapsed)
+
+
+async def _demo(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
+    server = Server(ServerOptions())
+    server.add_service(EchoServiceImpl())
+    await server.start("127.0.0.1:0")
+    channel = Channel(server.address, ChannelOptions())
+    load = _Load()
+    loop = asyncio.get_running_loop()
+    loop_name = type(loop).__module__.partition(".")[0]
+    try:
+        stub = Stub(channel, ECHO_SERVICE)
+        payload = os.urandom(args.size) if args.size else None
+        console.print(f"aiobrpc demo: {args.concurrency} callers -> {server.address} for "
+                      f"{args.seconds:g} s ({loop_name}, _fast={_fast.IMPLEMENTATION})")
+        progress = Progress(TextColumn("[bold]echo"), BarColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.fields[qps]}"), console=console, transient=True,
+                            auto_refresh=False, disable=not console.is_terminal)
+        with progress:
+            bar = progress.add_task("echo", total=args.seconds, qps="")
+            start = time.perf_counter()
+            deadline = loop.time() + args.seconds
+            callers = [loop.create_task(_caller(stub, payload, deadline, load))
+                       for _ in range(args.concurrency)]
+            everyone = asyncio.gather(*callers)
+            try:
+                while not everyone.done():
+                    await asyncio.wait([everyone], timeout=0.1)
+                    elapsed = time.perf_counter() - start
+                    progress.update(bar, completed=min(elapsed, args.seconds),
+                                    qps=f"{load.calls / elapsed:,.0f} QPS")
+                    progress.refresh()
+                await everyone
+            finally:
+                for t in callers:
+                    t.cancel()
+                await asyncio.gather(everyone, return_exceptions=True)
+            elapsed = time.perf_counter() - start
+    finally:
+        await channel.close()
+        await server.stop()
+        await server.join()
+    console.print(_summary(args, load, elapsed, loop_name))
+    if not load.latencies_ns:
+        print(f"aiobrpc demo: no call succeeded: {load.first_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _summary(args, load: _Load, elapsed: float, loop_name: str):
+    from rich.table import Table
+
+    lat = sorted(load.latencies_ns)
+    ok = len(lat)
+
+    def percentile(q: float) -> str:
+        if not lat:
+            return "-"
+        return f"{lat[max(0, math.ceil(q * ok) - 1)] / 1000:,.0f} us"
+
+    mb_s = ok * args.size / elapsed / 1e6
+    table = Table(title="aiobrpc demo", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for name, value in (
+        ("loop", loop_name),
+        ("_fast", _fast.IMPLEMENTATION),
+        ("concurrency", f"{args.concurrency}"),
+        ("attachment", f"{args.size:,} B"),
+        ("duration", f"{elapsed:.2f} s"),
+        ("calls", f"{load.calls:,}"),
+        ("errors", f"{load.errors:,}"),
+        ("QPS", f"{ok / elapsed:,.0f}"),
+        ("latency p50", percentile(0.50)),
+        ("latency p90", percentile(0.90)),
+        ("latency p99", percentile(0.99)),
+        ("latency max", f"{lat[-1] / 1000:,.0f} us" if lat else "-"),
+        ("attachment MB/s", f"{mb_s:,.2f} out, {mb_s:,.2f} in"),
+    ):
+        table.add_row(name, value)
+    if load.first_error:
+        table.add_row("first error", load.first_error)
+    return table
+
+
+def cmd_demo(args) -> int:
+    return _run(_demo(args), args.loop)
+
+
+# -- call ------------------------------------------------------------------------------------
+def cmd_call(args) -> int:
+    from google.protobuf import json_format
+
+    from .cli_proto import ProtoError, compile_proto, find_method
+
+    try:
+        parse_address(args.address)
+        method = find_method(compile_proto(args.proto, args.include), args.method)
+    except (ProtoError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    request = message_class(method.input_type)()
+    try:
+        json_format.Parse(args.data, request)
+    except json_format.ParseError as e:
+        raise UsageError(f"bad request JSON for {method.input_type.full_name}: {e}") from None
+    missing = request.FindInitializationErrors()
+    if missing:
+        raise UsageError(f"{method.input_type.full_name} lacks required fields: {', '.join(missing)}")
+    attachment = None
+    if args.attachment_file is not None:
+        try:
+            with open(args.attachment_file, "rb") as f:
+                attachment = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read attachment file {args.attachment_file}: {e.strerror}") from None
+    try:
+        cntl = Controller(log_id=args.log_id, timeout_ms=args.timeout_ms, request_attachment=attachment)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        response = _run(_call(args.address, method, request, cntl))
+    except RpcError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(json_format.MessageToJson(response, preserving_proto_field_name=True))
+    if args.response_attachment_file is not None:
+        with open(args.response_attachment_file, "wb") as f:
+            f.write(cntl.response_attachment if cntl.response_attachment is not None else b"")
+    return 0
+
+
+async def _call(address: str, method, request, cntl: Controller):
+    async with Channel(address) as channel:
+        return await channel.call_method(method.containing_service.full_name, method.name, request,
+                                         message_class(method.output_type), cntl)
+
+
+# -- serve-echo ------------------------------------------------------------------------------
+async def _serve_echo(args) -> int:
+    server = Server(ServerOptions())
+    server.add_service(EchoServiceImpl())
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        await server.start(f"{host}:{args.port}")
+    except OSError as e:
+        print(f"aiobrpc serve-echo: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    loop = asyncio.get_running_loop()
+    stopped = loop.create_future()
+
+    def on_signal(signum: int) -> None:
+        if not stopped.done():
+            stopped.set_result(signum)
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+        except NotImplementedError:  # Windows: no loop signal handlers
+            signal.signal(signum, lambda n, _: loop.call_soon_threadsafe(on_signal, n))
+    # The bound address (port 0 picks one) on stdout, so scripts and tests can read it.
+    print(f"EchoService listening on {host}:{server.port}", flush=True)
+    try:
+        signum = await stopped
+    finally:
+        for s in signals:
+            try:
+                loop.remove_signal_handler(s)
+            except NotImplementedError:
+                signal.signal(s, signal.SIG_DFL)
+    print(f"got {signal.Signals(signum).name}, stopping", file=sys.stderr, flush=True)
+    await server.stop()
+    await server.join(timeout=5)
+    return 0
+
+
+def cmd_serve_echo(args) -> int:
+    return _run(_serve_echo(args))
+
+
+# -- command line ----------------------------------------------------------------------------
+def _int_in(low: int, high: int = 2**63 - 1):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aiobrpc", description="brpc's baidu_std protocol on asyncio.")
+    parser.add_argument("--version", action="version", version=f"aiobrpc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="load an embedded echo server and print QPS and latency",
+                       description="Start an echo server in this process, call it from N concurrent "
+                                   "callers over one Channel, print QPS and latency percentiles.")
+    p.add_argument("--seconds", type=_positive_seconds, default=5.0, help="duration (default 5)")
+    p.add_argument("--concurrency", type=_int_in(1), default=64,
+                   help="concurrent callers (default 64)")
+    p.add_argument("--size", type=_int_in(0, 2**31 - 1), default=16,
+                   help="attachment bytes per request, echoed back (default 16)")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default=None,
+                   help="event loop (default uvloop when installed)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("call", help="call one method, request and response as JSON",
+                       description="Compile the .proto, call METHOD at ADDR with the JSON request, "
+                                   "print the JSON response.")
+    p.add_argument("address", metavar="ADDR", help="server address, host:port")
+    p.add_argument("method", metavar="METHOD", help="package.Service/Method")
+    p.add_argument("--proto", required=True, help=".proto file defining the service")
+    p.add_argument("-I", "--proto-path", dest="include", action="append", default=[], metavar="DIR",
+                   help="import directory (repeatable; default: the directory of --proto)")
+    p.add_argument("-d", "--data", default="{}", help="request as JSON (default {})")
+    p.add_argument("--timeout-ms", type=_int_in(-1, 2**31 - 1), default=None,
+                   help="timeout of the whole call, -1 for none (default 500)")
+    p.add_argument("--log-id", type=_int_in(0, 2**64 - 1), default=None, help="log_id sent in the request meta")
+    p.add_argument("--attachment-file", metavar="PATH", help="send the bytes of PATH as the attachment")
+    p.add_argument("--response-attachment-file", metavar="PATH",
+                   help="write the response attachment to PATH")
+    p.set_defaults(func=cmd_call)
+
+    p = sub.add_parser("serve-echo", help="run an echo server until SIGINT/SIGTERM",
+                       description="Serve example.EchoService (proto/echo.proto) until SIGINT or "
+                                   "SIGTERM, then stop gracefully.")
+    p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default 8000; 0 = any free)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.set_defaults(func=cmd_serve_echo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UsageError as e:
+        text = " ".join(str(e).split())  # some protobuf messages span lines
+        print(f"aiobrpc {args.command}: error: {text}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
