@@ -30,6 +30,7 @@ class ServerConnection(FramedConnection):
         self.inflight = 0
         self.frames = 0
         self.eof = False
+        self.poisoned = False
         self.last_active = self.loop.time()
         self._first_frame_timer = None
 
@@ -48,10 +49,15 @@ class ServerConnection(FramedConnection):
             self.abort()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.poisoned:
+            self.decoder.reader.rbuf.clear()
+            return
         self.last_active = self.loop.time()
         super().buffer_updated(nbytes)
 
     def event_received(self, ev) -> None:
+        if self.poisoned:
+            return
         self.frames += 1
         if self._first_frame_timer is not None:
             self._first_frame_timer.cancel()
@@ -130,7 +136,17 @@ class ServerConnection(FramedConnection):
 
     def protocol_error(self, e: RemoteProtocolError) -> None:
         self.server.stats.count_close("unknown_protocol" if "unknown protocol" in str(e) else "bad_frame")
-        super().protocol_error(e)
+        if self.inflight == 0:
+            super().protocol_error(e)
+            return
+        # Requests received before the bad bytes are still answered (nothing lost); nothing
+        # more is read, and the connection closes after the last reply.
+        self.protocol_error_log_only(e)
+        self.poisoned = True
+        self.eof = True
+        self.decoder.reader.rbuf.clear()
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def closed(self, exc) -> None:
         if self._first_frame_timer is not None:

@@ -114,7 +114,10 @@ class FramedConnection(asyncio.BufferedProtocol):
         if pending:
             protocol_error_log(logging.WARNING, "%s closed with a truncated frame of %d bytes buffered",
                                self.peer, pending)
-        return self.keep_open_after_eof()
+        keep_open = self.keep_open_after_eof()
+        if not keep_open and self._out:
+            self._flush()  # replies queued this turn go out before the transport closes
+        return keep_open
 
     def connection_lost(self, exc) -> None:
         if self.is_closed and self.transport is None:
@@ -220,10 +223,15 @@ class FramedConnection(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def protocol_error(self, e: RemoteProtocolError) -> None:
-        head = self.decoder.reader.rbuf.peek(min(self.decoder.reader.rbuf.available(), 32))
-        protocol_error_log(logging.WARNING, "closing connection from %s: %s (first bytes: %s)",
-                           self.peer, e, bytes(head).hex())
+        """A fatal framing error: log the cause and close at once."""
+        self.protocol_error_log_only(e)
         self.abort(e)
+
+    def protocol_error_log_only(self, e: RemoteProtocolError) -> None:
+        rbuf = self.decoder.reader.rbuf
+        head = bytes(rbuf.peek(min(rbuf.available(), 32))).hex()
+        protocol_error_log(logging.WARNING, "closing connection with %s: %s (next bytes: %s)",
+                           self.peer, e, head or "none")
 
 
 def buffers_size(buffers: list) -> int:

@@ -74,3 +74,26 @@ async def raw_exchange(port: int, data: bytes, *, shutdown: bool = False, read_t
         pass
     writer.close()
     return got, closed
+
+
+async def exchange_frames(port: int, data: bytes, n: int, timeout: float = 2.0) -> tuple[list, bool]:
+    """Send bytes; return the first `n` response events (fewer if the server closes) and
+    whether it closed."""
+    from aiobrpc.protocol import baidu_std
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    dec = baidu_std.Decoder(baidu_std.CLIENT)
+    events: list = []
+    closed = False
+    try:
+        while len(events) < n:
+            chunk = await asyncio.wait_for(reader.read(65536), timeout)
+            if not chunk:
+                closed = True
+                break
+            dec.feed(chunk)
+            events += dec.events()
+    except ConnectionResetError:
+        closed = True
+    writer.close()
+    return events, closed
