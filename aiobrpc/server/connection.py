@@ -123,6 +123,22 @@ class ServerConnection(FramedConnection):
         if self.transport is not None and not self.is_closed:
             self.transport.resume_reading()
 
+    # -- backpressure ------------------------------------------------------------------------
+    # While the peer does not read our replies, stop reading its requests and leave the ones
+    # already buffered undispatched: replies queued per connection stay bounded.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.hold_events = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.hold_events = False
+        if self.transport is not None and not self.poisoned and self.auth_state != _VERIFYING:
+            self.transport.resume_reading()
+        self.process_events()
+
     # -- lifecycle ---------------------------------------------------------------------------
     def keep_open_after_eof(self) -> bool:
         self.eof = True

@@ -1,7 +1,7 @@
 """Service registry and the life of one request at the server (baidu_std.md §6.2, §9).
 
-Checks run in brpc's order: stopping → max_concurrency → attachment size → service/method
-lookup → request parse → user code. Every rejection is a meta-only error response and keeps
+Checks run in brpc's order: stopping → overcrowded → max_concurrency → attachment size →
+service/method lookup → request parse → user code. Every rejection is a meta-only error response and keeps
 the connection.
 """
 
@@ -15,7 +15,7 @@ from google.protobuf.message import EncodeError
 
 from .. import _fast
 from ..controller import Controller
-from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EREQUEST, ERESPONSE,
+from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EOVERCROWDED, EREQUEST, ERESPONSE,
                       RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, checksum, compress, content
 from ..stub import Servicer, message_class
@@ -175,10 +175,13 @@ async def run_handler(entry: MethodEntry, request, cntl: Controller, executor):
     return await loop.run_in_executor(executor, entry.handler, request, cntl)
 
 
-def admission_error(server, ev):
+def admission_error(server, conn, ev):
     """The rejection a request gets before its handler is looked up, or None."""
     if server.stopping:
         return ELOGOFF, "Server is stopping"
+    if not conn.writable():
+        return EOVERCROWDED, (f"{conn.unwritten_bytes()} bytes of replies are waiting to be written to "
+                              f"{conn.peer} (max_unwritten_bytes={conn.max_unwritten_bytes})")
     limit = server.options.max_concurrency
     if limit and server.concurrency >= limit:
         return ELIMIT, f"Reached server's max_concurrency={limit}"

@@ -178,7 +178,7 @@ class Server:
     def dispatch(self, conn: ServerConnection, ev) -> None:
         self.stats.requests += 1
         meta = ev.meta
-        rejected = admission_error(self, ev)
+        rejected = admission_error(self, conn, ev)
         try:
             if rejected is not None:
                 raise RpcError(*rejected)

@@ -77,6 +77,7 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._paused = False
         self._drain_waiters: list[asyncio.Future] = []
         self._writelines_ok = False
+        self.hold_events = False  # a subclass sets it to leave events buffered for now
 
     # -- asyncio callbacks --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -96,10 +97,14 @@ class FramedConnection(asyncio.BufferedProtocol):
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.decoder.buffer_updated(nbytes)
+        self.process_events()
+
+    def process_events(self) -> None:
+        """Hand every complete buffered event to `event_received` (until `hold_events`)."""
         decoder = self.decoder
-        decoder.buffer_updated(nbytes)
         try:
-            while not self.is_closed:
+            while not self.is_closed and not self.hold_events:
                 ev = decoder.next_event()
                 if ev is None:
                     break

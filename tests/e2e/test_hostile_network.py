@@ -293,3 +293,35 @@ async def test_client_parsing_a_hostile_server(reply, code):
         with pytest.raises(aiobrpc.RpcError) as ei:
             await _call(peer.port)
         assert ei.value.code == code
+
+
+# --- F: a client that never reads its replies -------------------------------------------------
+
+async def test_server_stops_reading_when_replies_are_not_read():
+    servicer = InteropEcho()
+    srv = aiobrpc.Server(aiobrpc.ServerOptions(max_unwritten_bytes=4 * MIB))
+    srv.add_service(servicer)
+    await srv.start("127.0.0.1:0")
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    big = Req(message="b", response_attachment_size=256 * 1024).SerializeToString()
+    one = frame(rpc_meta(correlation_id=1, service=SVC), big)
+    for _ in range(8):
+        writer.write(one * 50)  # 400 requests for 256 KiB replies = 100 MiB if all were answered
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    (conn,) = srv.connections
+    # bounded: max_unwritten_bytes plus the replies of the requests admitted from one read
+    # (at most 50 here); the rest wait unread or are refused with EOVERCROWDED
+    assert conn.unwritten_bytes() <= 4 * MIB + 50 * 256 * 1024 + MIB
+    assert servicer.calls_served < 400
+    # once the client reads, everything is answered (served or refused), nothing lost
+    dec = baidu_std.Decoder(baidu_std.CLIENT, max_body_size=MIB)
+    answered = 0
+    while answered < 400:
+        dec.feed(await asyncio.wait_for(reader.read(1 << 20), 5))
+        for ev in dec.events():
+            assert ev.meta.error_code in (0, errors.EOVERCROWDED)
+            answered += 1
+    writer.close()
+    await srv.stop()
+    await srv.join(timeout=2)

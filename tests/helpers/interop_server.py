@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import zlib
 
 import aiobrpc
 from aiobrpc._proto import interop_pb2
 
 SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
+
+
+@functools.lru_cache(maxsize=8)
+def extra_bytes(n: int) -> bytes:
+    """The `i % 251` bytes probe_server appends to its reply attachment."""
+    return (bytes(range(251)) * (n // 251 + 1))[:n]
 
 
 class InteropEcho(aiobrpc.Servicer):
@@ -53,7 +60,7 @@ class InteropEcho(aiobrpc.Servicer):
             if "x-interop-response-checksum" in fields:
                 cntl.response_checksum = True
         cntl.response_compress_type = request.response_compress_type
-        extra = bytes(i % 251 for i in range(request.response_attachment_size))
+        extra = extra_bytes(request.response_attachment_size)
         if request.echo_attachment and att or extra:
             cntl.response_attachment = (cntl.request_attachment if request.echo_attachment and not extra
                                         else (att if request.echo_attachment else b"") + extra)
