@@ -250,8 +250,11 @@ def cmd_call(args) -> int:
         return 1
     print(json_format.MessageToJson(response, preserving_proto_field_name=True))
     if args.response_attachment_file is not None:
-        with open(args.response_attachment_file, "wb") as f:
-            f.write(cntl.response_attachment if cntl.response_attachment is not None else b"")
+        try:
+            with open(args.response_attachment_file, "wb") as f:
+                f.write(cntl.response_attachment if cntl.response_attachment is not None else b"")
+        except OSError as e:
+            raise UsageError(f"cannot write {args.response_attachment_file}: {e.strerror}") from None
     return 0
 
 

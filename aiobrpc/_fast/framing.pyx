@@ -10,7 +10,7 @@ from cpython.buffer cimport PyBuffer_Release
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
 from libc.stdint cimport uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memmove
 
 from ._bytes cimport HEADER, acquire_bytes, get_u32, put_u32
 from .iobuf cimport ReadBuffer
@@ -139,13 +139,44 @@ cdef class FrameReader:
         self.frames = 0
 
     def get_buffer(self, sizehint=-1):
-        return self.rbuf._get_buffer()
+        return self._get_buffer()
+
+    cdef object _get_buffer(self):
+        cdef ReadBuffer rbuf = self.rbuf
+        cdef Py_ssize_t have = rbuf._end - rbuf._start
+        cdef const unsigned char* p
+        cdef uint64_t body_size, meta_size, total
+        if have >= HEADER and rbuf._large is None and rbuf._complete is None:
+            # A large frame whose header is already here gets its own buffer before the
+            # kernel reads more (next_frame reports any framing error).
+            p = <const unsigned char*>PyByteArray_AS_STRING(rbuf._block) + rbuf._start
+            body_size = get_u32(p + 4)
+            meta_size = get_u32(p + 8)
+            total = HEADER + body_size
+            if (_kind(p) != 0 and meta_size <= body_size
+                    and <long long>body_size <= self.max_body_size
+                    and <long long>total > rbuf.large_threshold and <uint64_t>have < total):
+                rbuf._begin_large(<Py_ssize_t>total)
+        return rbuf._get_buffer()
 
     def buffer_updated(self, nbytes):
         self.rbuf._buffer_updated(nbytes)
 
     def feed(self, data):
-        self.rbuf.feed(data)
+        """Copy `data` in as if the kernel had read it (tests and non-buffered transports)."""
+        cdef Py_buffer* src
+        cdef Py_buffer* dst
+        cdef Py_ssize_t pos = 0, k
+        mv = memoryview(data).cast("B")
+        src = PyMemoryView_GET_BUFFER(mv)
+        buf = None  # alive until the next get_buffer returns, as in the pure twin's loop
+        while pos < src.len:
+            buf = self._get_buffer()  # never empty
+            dst = PyMemoryView_GET_BUFFER(buf)
+            k = min(dst.len, src.len - pos)
+            memmove(dst.buf, <const char*>src.buf + pos, <size_t>k)
+            self.rbuf._buffer_updated(k)
+            pos += k
 
     def pending_bytes(self):
         return self.rbuf.pending_bytes()
@@ -156,7 +187,7 @@ cdef class FrameReader:
         cdef const unsigned char* p
         cdef uint64_t body_size, meta_size, total
         cdef int kind
-        if rbuf._large is not None:
+        if rbuf._large is not None or rbuf._complete is not None:
             frame = rbuf._take_large()
             if frame is None:
                 return None

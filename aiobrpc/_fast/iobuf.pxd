@@ -7,14 +7,16 @@ cdef class IOBuf:
 
 
 cdef class ReadBuffer:
-    # Invariant: 0 <= _start <= _end <= _block_size == len(_block), and for a pending large
-    # frame 0 <= _large_filled <= len(_large). Every method that moves these checks its input.
+    # Invariant: 0 <= _start <= _end <= len(_block) (_block_size, or more after a feed of
+    # many frames at once), and 0 <= _large_filled <= len(_large) for a pending large frame.
+    # Every method that moves these checks its input.
     cdef bytearray _block
     cdef Py_ssize_t _block_size
     cdef Py_ssize_t _start
     cdef Py_ssize_t _end
     cdef bytearray _large
     cdef Py_ssize_t _large_filled
+    cdef bytearray _complete  # a complete large frame parked until taken
     cdef bint _header_only
     cdef public Py_ssize_t large_threshold
     cdef public long long copied_bytes

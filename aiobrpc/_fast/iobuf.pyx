@@ -10,7 +10,7 @@ Where the pure twin trusts its caller with a size (buffer_updated, take, skip), 
 checks it: here a wrong size would be a wild pointer in framing.pyx, not an odd view.
 """
 
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.ref cimport PyObject
 from libc.string cimport memcpy, memmove
 
@@ -40,6 +40,8 @@ def _as_bytes_view(obj):
             f"expected a bytes-like object (buffer protocol), got {type(obj).__name__}") from None
     if not mv.c_contiguous:
         raise LocalProtocolError("buffer must be C-contiguous to be sent without a copy")
+    if mv.nbytes == 0:
+        return memoryview(b"")
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
@@ -124,6 +126,7 @@ cdef class ReadBuffer:
         self._end = 0
         self._large = None
         self._large_filled = 0
+        self._complete = None
         self._header_only = False
         self.large_threshold = large_threshold
         self.copied_bytes = 0
@@ -133,14 +136,21 @@ cdef class ReadBuffer:
         return self._get_buffer()
 
     cdef object _get_buffer(self):
-        # A complete large frame no longer takes bytes: what follows goes to the block. (The
-        # pure twin offers an empty view then, so its feed() loops forever on such a chunk.)
-        if self._large is not None and self._large_filled < len(self._large):
-            return memoryview(self._large)[self._large_filled:]
+        cdef Py_ssize_t free
+        if self._large is not None:
+            if self._large_filled < len(self._large):
+                return memoryview(self._large)[self._large_filled:]
+            # Complete but not taken yet (a caller feeding before parsing): park it and go on
+            # reading into the block.
+            self._complete = self._large
+            self._large = None
+            self._large_filled = 0
         if self._start == self._end and self._unshared():
             self._start = self._end = 0
-        if self._block_size - self._end < HEADER or (
-                self._block_size - self._end < self.large_threshold and self._start != self._end):
+            if PyByteArray_GET_SIZE(self._block) != self._block_size:
+                self._block = bytearray(self._block_size)
+        free = PyByteArray_GET_SIZE(self._block) - self._end
+        if free < HEADER or (free < self.large_threshold and self._start != self._end):
             self._new_block()
         if self._header_only and self._start == self._end:
             # After a large frame: read just the next header, so a following large frame is
@@ -152,13 +162,12 @@ cdef class ReadBuffer:
         self._buffer_updated(nbytes)
 
     cdef int _buffer_updated(self, Py_ssize_t nbytes) except -1:
-        cdef bint large = self._large is not None and self._large_filled < len(self._large)
-        cdef Py_ssize_t room = (len(self._large) - self._large_filled if large
-                                else self._block_size - self._end)
+        cdef Py_ssize_t room = (len(self._large) - self._large_filled if self._large is not None
+                                else PyByteArray_GET_SIZE(self._block) - self._end)
         if nbytes < 0 or nbytes > room:
             raise LocalProtocolError(
                 f"buffer_updated({nbytes}) is outside the {room} bytes that get_buffer offered")
-        if large:
+        if self._large is not None:
             self._large_filled += nbytes
         else:
             self._end += nbytes
@@ -177,14 +186,8 @@ cdef class ReadBuffer:
         # loop, so both twins see the same views alive and make the same block decisions.
         buf = None
         while pos < src.len:
-            buf = self._get_buffer()
+            buf = self._get_buffer()  # never empty
             dst = PyMemoryView_GET_BUFFER(buf)
-            if dst.len == 0:
-                # The block is full of bytes nobody consumed (feed() does not frame; the pure
-                # twin loops forever here): more than a block's worth went in at once.
-                raise LocalProtocolError(
-                    f"feed() of {src.len - pos} more bytes into a full receive buffer: "
-                    "take frames out between feeds, or feed at most a block at a time")
             k = min(dst.len, src.len - pos)
             memmove(dst.buf, <char*>src.buf + pos, <size_t>k)
             self._buffer_updated(k)
@@ -234,13 +237,17 @@ cdef class ReadBuffer:
         return 0
 
     def large_pending(self):
-        return self._large is not None
+        return self._large is not None or self._complete is not None
 
     def take_large(self):
         """The large frame's buffer once it is complete, else None."""
         return self._take_large()
 
     cdef object _take_large(self):
+        if self._complete is not None:
+            large, self._complete = self._complete, None
+            self._header_only = True
+            return memoryview(large)
         large = self._large
         if large is None or self._large_filled < len(large):
             return None
@@ -251,14 +258,16 @@ cdef class ReadBuffer:
 
     def pending_bytes(self):
         """Bytes received but not yet consumed (a partial frame)."""
-        return self._end - self._start + self._large_filled
+        cdef Py_ssize_t done = len(self._complete) if self._complete is not None else 0
+        return self._end - self._start + self._large_filled + done
 
     def clear(self):
         """Drop everything buffered (connection closed)."""
         self._large = None
+        self._complete = None
         self._large_filled = 0
         self._start = self._end = 0
-        if not self._unshared():
+        if not self._unshared() or PyByteArray_GET_SIZE(self._block) != self._block_size:
             self._block = bytearray(self._block_size)
 
     # -- internals ---------------------------------------------------------------------------
@@ -267,18 +276,20 @@ cdef class ReadBuffer:
         return _refcnt(block) == 1 and (<PyByteArrayObject*>block).ob_exports == 0
 
     cdef int _new_block(self) except -1:
+        # Move the unconsumed tail to the front of a block with room for a small frame; the
+        # block grows when a caller feeds many frames before consuming them.
         cdef Py_ssize_t have = self._end - self._start
+        cdef Py_ssize_t size = self._block_size
         cdef char* old
-        if self._start == 0 and have == 0:
-            return 0
-        old = PyByteArray_AS_STRING(self._block)
-        if self._unshared():
-            if have:
-                memmove(old, old + self._start, <size_t>have)
+        if have > self._block_size - self.large_threshold:
+            size = have + self._block_size
+        if self._unshared() and PyByteArray_GET_SIZE(self._block) >= size:
+            old = PyByteArray_AS_STRING(self._block)
+            memmove(old, old + self._start, <size_t>have)
         else:
-            block = bytearray(self._block_size)
-            if have:
-                memcpy(PyByteArray_AS_STRING(block), old + self._start, <size_t>have)
+            block = bytearray(size)
+            memcpy(PyByteArray_AS_STRING(block), PyByteArray_AS_STRING(self._block) + self._start,
+                   <size_t>have)
             self._block = block
         self.copied_bytes += have
         self._start = 0

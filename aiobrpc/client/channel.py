@@ -15,6 +15,7 @@ import asyncio
 import errno
 import inspect
 import logging
+import os
 import time
 
 from google.protobuf.message import EncodeError
@@ -52,6 +53,12 @@ class Channel:
             options = ChannelOptions()
         elif not isinstance(options, ChannelOptions):
             raise TypeError(f"options must be a ChannelOptions, got {type(options).__name__}")
+        if options.connection_type != "single" or options.backup_request_ms >= 0:
+            # pooled/short connections and backup requests are not built yet: refuse them
+            # rather than silently behaving as "single" without backups.
+            raise ValueError("this version supports connection_type='single' without "
+                             f"backup_request_ms; got connection_type={options.connection_type!r}, "
+                             f"backup_request_ms={options.backup_request_ms}")
         self.host, self.port = parse_address(address)
         self.address = f"{self.host}:{self.port}" if ":" not in self.host else f"[{self.host}]:{self.port}"
         self.options = options
@@ -97,7 +104,8 @@ class Channel:
                                           errno.ECONNRESET) else EFAILEDSOCKET
             if code == errno.ECONNREFUSED:
                 code = ECONNREFUSED
-            raise RpcError(code, f"Fail to connect {self.address}: {e.strerror or e}") from None
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            raise RpcError(code, f"Fail to connect {self.address}: {reason}") from None
         finally:
             self._connecting = None
         if self._closed:
