@@ -29,7 +29,7 @@ class Controller:
     """
 
     __slots__ = (
-        "log_id", "timeout_ms", "request_id", "max_retry", "backup_request_ms",
+        "log_id", "timeout_ms", "request_id", "max_retry",
         "request_compress_type", "response_compress_type", "request_checksum",
         "response_checksum", "request_checksum_with_attachment", "request_attachment",
         "response_attachment", "_request_user_fields", "_response_user_fields",
@@ -40,7 +40,7 @@ class Controller:
 
     def __init__(self, *, log_id: int | None = None, timeout_ms: int | None = None,
                  request_id: str | None = None, max_retry: int | None = None,
-                 backup_request_ms: int | None = None, request_compress_type: int = 0,
+                 request_compress_type: int = 0,
                  request_checksum: bool = False, request_checksum_with_attachment: bool = False,
                  request_attachment: Any = None) -> None:
         if log_id is not None and not (isinstance(log_id, int) and 0 <= log_id < 1 << 64):
@@ -51,7 +51,6 @@ class Controller:
         self.timeout_ms = timeout_ms
         self.request_id = request_id
         self.max_retry = max_retry
-        self.backup_request_ms = backup_request_ms
         self.request_compress_type = request_compress_type
         self.response_compress_type = 0
         self.request_checksum = request_checksum
