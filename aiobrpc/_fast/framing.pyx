@@ -68,6 +68,12 @@ cdef inline object _subview(object base, Py_ssize_t start, Py_ssize_t n):
     return _narrow(PyMemoryView_FromObject(base), start, n)
 
 
+cdef int _begin_large(ReadBuffer rbuf, uint64_t total) except -1:
+    if total > <uint64_t>PY_SSIZE_T_MAX:  # a 32-bit build: no such buffer
+        raise MemoryError()
+    return rbuf._begin_large(<Py_ssize_t>total)
+
+
 cdef object _bad_magic(const unsigned char* p, Py_ssize_t n):
     head = PyBytes_FromStringAndSize(<const char*>p, n)
     return RemoteProtocolError(f"unknown protocol: first bytes {head.hex()}", fatal=True)
@@ -156,7 +162,7 @@ cdef class FrameReader:
             if (_kind(p) != 0 and meta_size <= body_size
                     and <long long>body_size <= self.max_body_size
                     and <long long>total > rbuf.large_threshold and <uint64_t>have < total):
-                rbuf._begin_large(<Py_ssize_t>total)
+                _begin_large(rbuf, total)
         return rbuf._get_buffer()
 
     def buffer_updated(self, nbytes):
@@ -219,9 +225,7 @@ cdef class FrameReader:
             meta = _subview(mv, s + HEADER, <Py_ssize_t>meta_size)
             return kind, meta, _narrow(mv, meta_end, rbuf._start - meta_end)
         if <long long>total > rbuf.large_threshold:
-            if total > <uint64_t>PY_SSIZE_T_MAX:
-                raise MemoryError()
-            rbuf._begin_large(<Py_ssize_t>total)
+            _begin_large(rbuf, total)
         return None
 
     cdef tuple _split_large(self, frame):
