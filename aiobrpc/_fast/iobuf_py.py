@@ -151,6 +151,11 @@ class ReadBuffer:
         return memoryview(self._block)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        room = (len(self._large) - self._large_filled if self._large is not None
+                else len(self._block) - self._end)
+        if nbytes < 0 or nbytes > room:
+            raise LocalProtocolError(
+                f"buffer_updated({nbytes}) is outside the {room} bytes that get_buffer offered")
         if self._large is not None:
             self._large_filled += nbytes
         else:
@@ -180,10 +185,13 @@ class ReadBuffer:
     def take(self, n: int) -> memoryview:
         """Consume `n` bytes of the block, returned as a view (no copy)."""
         s = self._start
-        self._start = s + n
+        self.skip(n)
         return memoryview(self._block)[s:s + n]
 
     def skip(self, n: int) -> None:
+        if n < 0 or n > self._end - self._start:
+            raise LocalProtocolError(
+                f"cannot consume {n} bytes, {self._end - self._start} are available")
         self._start += n
 
     def begin_large(self, total: int) -> None:

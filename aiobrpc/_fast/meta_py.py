@@ -104,7 +104,10 @@ def _int32(out: bytearray, tag: int, v: object, name: str) -> None:
 def _blob(out: bytearray, tag: int, v: object, name: str) -> None:
     if isinstance(v, str):
         v = v.encode()
-    elif not isinstance(v, (bytes, bytearray, memoryview)):
+    elif isinstance(v, memoryview):
+        if v.format != "B" or v.ndim != 1:
+            v = v.cast("B")  # the length prefix counts bytes, not items
+    elif not isinstance(v, (bytes, bytearray)):
         raise LocalProtocolError(f"RpcMeta.{name} must be str or bytes, got {type(v).__name__}")
     out.append(tag)
     _varint(out, len(v))
@@ -179,6 +182,10 @@ def pack_head(magic: bytes, meta: RpcMeta, payload_size: int) -> bytes:
 
     `payload_size` is everything after the meta (data and attachment).
     """
+    if not isinstance(magic, bytes) or len(magic) != 4:
+        raise LocalProtocolError(f"magic must be 4 bytes, got {magic!r}")
+    if not isinstance(payload_size, int) or payload_size < 0:
+        raise LocalProtocolError(f"payload_size must be an int >= 0, got {payload_size!r}")
     out = bytearray(magic)
     out += b"\0\0\0\0\0\0\0\0"
     _encode_into(out, meta)
@@ -337,6 +344,8 @@ def decode_meta(buf) -> RpcMeta:
     """Parse a serialized RpcMeta (bytes, bytearray or memoryview)."""
     if not isinstance(buf, memoryview):
         buf = memoryview(buf)
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B")
     m = RpcMeta()
     pos, end = 0, len(buf)
     while pos < end:
