@@ -28,37 +28,34 @@ CONTENT_TYPE_NAMES = {0: "pb", 1: "json", 2: "proto-json", 3: "proto-text"}
 
 SERVER = "server"
 CLIENT = "client"
+_NO_ATTACHMENT = memoryview(b"")
 
 
 class Decoder:
     """Turns received bytes into events. `role` is SERVER (requests) or CLIENT (responses)."""
 
-    __slots__ = ("_reader", "_event", "_code", "role")
+    __slots__ = ("_reader", "_event", "_code", "role", "_decode_meta", "_kind_strm",
+                 "get_buffer", "buffer_updated", "feed", "pending_bytes")
 
     def __init__(self, role: str, max_body_size: int = DEFAULT_MAX_BODY_SIZE, **buffer_options) -> None:
         if role not in (SERVER, CLIENT):
             raise LocalProtocolError(f"role must be {SERVER!r} or {CLIENT!r}, got {role!r}")
         self.role = role
-        self._reader = _fast.FrameReader(max_body_size, **buffer_options)
+        reader = self._reader = _fast.FrameReader(max_body_size, **buffer_options)
         self._event = RequestReceived if role == SERVER else ResponseReceived
         self._code = EREQUEST if role == SERVER else ERESPONSE
+        # Bound once per connection: the twin selected now, and no Python frame per call for
+        # what the kernel side calls most.
+        self._decode_meta = _fast.decode_meta
+        self._kind_strm = _fast.KIND_STRM
+        self.get_buffer = reader.get_buffer
+        self.buffer_updated = reader.buffer_updated
+        self.feed = reader.feed
+        self.pending_bytes = reader.pending_bytes
 
     @property
     def reader(self):
         return self._reader
-
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        return self._reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._reader.buffer_updated(nbytes)
-
-    def feed(self, data) -> None:
-        self._reader.feed(data)
-
-    def pending_bytes(self) -> int:
-        """Bytes of a frame not yet complete (a truncated frame if the peer is gone)."""
-        return self._reader.pending_bytes()
 
     def next_event(self):
         """The next complete event, or None when more bytes are needed."""
@@ -66,18 +63,18 @@ class Decoder:
         if frame is None:
             return None
         kind, meta_view, payload = frame
-        if kind == _fast.KIND_STRM:
+        if kind == self._kind_strm:
             return StreamFrameReceived(meta_view, payload)
-        meta = _fast.decode_meta(meta_view)
-        size = len(payload)
+        meta = self._decode_meta(meta_view)
         att = meta.attachment_size
         if not att:
-            return self._event(meta, payload, payload[size:])
+            return self._event(meta, payload, _NO_ATTACHMENT)
+        size = len(payload)
         if att < 0 or att > size:
             what = "request_size" if self.role == SERVER else "response_size"
             err = RemoteProtocolError(f"attachment_size={att} is larger than {what}={size}",
                                       code=self._code, fatal=False)
-            return self._event(meta, payload[:0], payload[:0], err)
+            return self._event(meta, _NO_ATTACHMENT, _NO_ATTACHMENT, err)
         return self._event(meta, payload[:size - att], payload[size - att:])
 
     def events(self) -> list:
