@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from .._proto import brpc_streaming_pb2
 from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError, RpcError
-from ..protocol.baidu_std import CLIENT
+from ..protocol.baidu_std import CLIENT, pack_header
 from ..protocol.events import StreamFrameReceived
 from ..transport.tcp import FramedConnection, RateLimitedLog
 
@@ -52,6 +53,10 @@ class ClientConnection(FramedConnection):
             # Streams are not opened by this client yet: nothing can be addressed to us.
             self.stats.stream_frames_dropped += 1
             return
+        if ev.meta.stream_settings is not None:
+            # No call of this client opens streams, so streams offered in a response are
+            # refused with an RST each, as brpc does for a stream it did not ask for.
+            self._reset_offered_streams(ev.meta.stream_settings)
         fut = self.pending.pop(ev.meta.correlation_id, None)
         if fut is None or fut.done():
             self.stats.late_or_unknown_responses += 1
@@ -59,6 +64,16 @@ class ClientConnection(FramedConnection):
                          ev.meta.correlation_id, self.peer)
             return
         fut.set_result(ev)
+
+    def _reset_offered_streams(self, raw_settings) -> None:
+        try:
+            settings = brpc_streaming_pb2.StreamSettings.FromString(bytes(raw_settings))
+        except Exception:  # protobuf's DecodeError; a bad offer is only ignored
+            return
+        for stream_id in (settings.stream_id, *settings.extra_stream_ids):
+            meta = brpc_streaming_pb2.StreamFrameMeta(
+                stream_id=stream_id, frame_type=brpc_streaming_pb2.FRAME_TYPE_RST).SerializeToString()
+            self.write([pack_header(b"STRM", len(meta), len(meta)) + meta])
 
     def closed(self, exc: BaseException | None) -> None:
         self.stats.connections_lost += 1

@@ -87,6 +87,11 @@ class Decoder:
             out.append(ev)
 
 
+def pack_header(magic: bytes, body_size: int, meta_size: int) -> bytes:
+    """The 12-byte header of a PRPC or STRM frame."""
+    return _fast.pack_header(magic, body_size, meta_size)
+
+
 def pack(meta, data, attachment=None, magic: bytes = MAGIC) -> list:
     """Frame `meta` + `data` + `attachment` as a list of buffers, without copying data or attachment.
 

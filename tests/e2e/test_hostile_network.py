@@ -14,7 +14,7 @@ from aiobrpc._proto import interop_pb2
 from aiobrpc.protocol import baidu_std
 from tests.helpers.interop_server import SERVICE, InteropEcho
 from tests.helpers.peers import FakeServer, exchange_frames, raw_exchange, reset
-from tests.helpers.wire import field_varint, frame, rpc_meta
+from tests.helpers.wire import field_ld, field_varint, frame, rpc_meta
 
 MIB = 1 << 20
 Req = interop_pb2.EchoRequest
@@ -325,3 +325,30 @@ async def test_server_stops_reading_when_replies_are_not_read():
     writer.close()
     await srv.stop()
     await srv.join(timeout=2)
+
+
+async def test_j4_streams_offered_in_a_response_are_reset():
+    from aiobrpc._proto import brpc_streaming_pb2
+    settings = brpc_streaming_pb2.StreamSettings(stream_id=77, need_feedback=True, writable=True,
+                                                 extra_stream_ids=[78]).SerializeToString()
+    got = bytearray()
+
+    def on_data(writer, data):
+        got.extend(data)
+        if data.startswith(b"PRPC"):
+            dec = baidu_std.Decoder(baidu_std.SERVER)
+            dec.feed(data)
+            for ev in dec.events():
+                meta = rpc_meta(service=None, method=None, correlation_id=ev.meta.correlation_id,
+                                error_code=0, raw_extra=field_ld(8, settings))
+                writer.write(frame(meta, _ok_payload("streamy")))
+    async with FakeServer(on_data) as peer:
+        resp, _ = await _call(peer.port)
+        assert resp.message == "streamy"
+        await asyncio.sleep(0.05)
+    dec = baidu_std.Decoder(baidu_std.SERVER)
+    dec.feed(bytes(got))
+    strm = [brpc_streaming_pb2.StreamFrameMeta.FromString(bytes(e.meta)) for e in dec.events()
+            if not hasattr(e, "data")]
+    assert [(m.stream_id, m.frame_type, m.HasField("source_stream_id")) for m in strm] == [
+        (77, brpc_streaming_pb2.FRAME_TYPE_RST, False), (78, brpc_streaming_pb2.FRAME_TYPE_RST, False)]
