@@ -207,8 +207,9 @@ class Channel:
             meta.checksum_value = _EMPTY
         bufs = baidu_std.pack(meta, data, attachment)
         nbytes = len(bufs[0]) + len(data) + (meta.attachment_size or 0)
-        if not conn.writable(nbytes):
-            raise RpcError(EOVERCROWDED, f"Too much data is waiting to be written to {self.address}")
+        if not conn.writable():
+            raise RpcError(EOVERCROWDED, f"{conn.unwritten_bytes()} bytes are waiting to be written to "
+                                         f"{self.address} (max_unwritten_bytes={opts.max_unwritten_bytes})")
         fut = loop.create_future()
         conn.pending[cid] = fut
         conn.write(bufs, nbytes)

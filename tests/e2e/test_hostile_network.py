@@ -352,3 +352,18 @@ async def test_j4_streams_offered_in_a_response_are_reset():
             if not hasattr(e, "data")]
     assert [(m.stream_id, m.frame_type, m.HasField("source_stream_id")) for m in strm] == [
         (77, brpc_streaming_pb2.FRAME_TYPE_RST, False), (78, brpc_streaming_pb2.FRAME_TYPE_RST, False)]
+
+
+async def test_client_queue_is_capped_with_eovercrowded():
+    import numpy as np
+    async with FakeServer(lambda w, d: None) as peer:  # never answers
+        channel = aiobrpc.Channel(f"127.0.0.1:{peer.port}", aiobrpc.ChannelOptions(
+            timeout_ms=500, max_retry=0, max_unwritten_bytes=MIB))
+        stub = aiobrpc.Stub(channel, SERVICE)
+        att = np.zeros(2 * MIB, dtype=np.uint8)
+        results = await asyncio.gather(*[stub.Echo(Req(message=str(i)), aiobrpc.Controller(request_attachment=att))
+                                         for i in range(40)], return_exceptions=True)
+        codes = [r.code for r in results]
+        assert set(codes) <= {errors.EOVERCROWDED, errors.ERPCTIMEDOUT}
+        assert codes.count(errors.EOVERCROWDED) >= 30  # only the first few were queued
+        await channel.close()
