@@ -180,6 +180,9 @@ class Channel:
         conn = self._conn
         if conn is None or conn.is_closed:
             conn = await self._connection(loop, deadline)
+        if not conn.writable():
+            raise RpcError(EOVERCROWDED, f"{conn.unwritten_bytes()} bytes are waiting to be written to "
+                                         f"{self.address} (max_unwritten_bytes={opts.max_unwritten_bytes})")
         meta = _fast.RpcMeta()
         meta.has_request = True
         meta.service_name = service_name if opts.use_full_service_name else service_name.rpartition(".")[2]
@@ -190,7 +193,8 @@ class Channel:
             meta.request_id = cntl.request_id
         if opts.deliver_timeout_ms and deadline is not None:
             meta.timeout_ms = max(1, int((deadline - loop.time()) * 1000))
-        cid = conn.next_correlation_id()
+        cid = conn._next_cid
+        conn._next_cid = cid + 1
         meta.correlation_id = cid
         if conn.needs_credential and opts.auth is not None:
             conn.needs_credential = False
@@ -200,16 +204,17 @@ class Channel:
             meta.user_fields = list(fields.items())
         meta.content_type = cntl.request_content_type
         attachment = cntl.request_attachment
-        data = baidu_std.encode_data(meta, serialized, cntl.request_compress_type, attachment,
-                                     cntl.request_checksum, cntl.request_checksum_with_attachment)
+        if cntl.request_compress_type or cntl.request_checksum:
+            data = baidu_std.encode_data(meta, serialized, cntl.request_compress_type, attachment,
+                                         cntl.request_checksum, cntl.request_checksum_with_attachment)
+        else:
+            data = serialized
+            meta.compress_type = 0
         if meta.checksum_type is None:
             meta.checksum_type = 0
             meta.checksum_value = _EMPTY
         bufs = baidu_std.pack(meta, data, attachment)
         nbytes = len(bufs[0]) + len(data) + (meta.attachment_size or 0)
-        if not conn.writable():
-            raise RpcError(EOVERCROWDED, f"{conn.unwritten_bytes()} bytes are waiting to be written to "
-                                         f"{self.address} (max_unwritten_bytes={opts.max_unwritten_bytes})")
         fut = loop.create_future()
         conn.pending[cid] = fut
         conn.write(bufs, nbytes)

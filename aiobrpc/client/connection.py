@@ -40,11 +40,6 @@ class ClientConnection(FramedConnection):
         self._next_cid = 1
         self._on_closed = on_closed
 
-    def next_correlation_id(self) -> int:
-        cid = self._next_cid
-        self._next_cid = cid + 1
-        return cid
-
     def connection_made_hook(self) -> None:
         self.stats.connections_made += 1
 
