@@ -3,8 +3,8 @@
 Run by hand from the repository root (needs numpy and grpcio-tools; --plots needs matplotlib):
 
     python bench/echo.py --quick                  # under a minute, rough figures
-    python bench/echo.py                          # a few minutes: 3 rounds, median of each
-    python bench/echo.py --plots docs/img         # the same, plus the PNGs and markdown tables
+    python bench/echo.py                          # ~7 min: 3 rounds of a,b,c,d, median of each
+    python bench/echo.py --only a,b,c,d,e --plots docs/img   # docs/benchmarks.md: tables, PNGs
     python bench/echo.py --only a,d --loop asyncio
     python bench/echo.py --replot bench/results/echo-latest.json --plots docs/img
 
@@ -26,10 +26,17 @@ Implementations:
      not in the default set, ask for it with --only
 
 Measured per scenario, in the measurement window only: QPS, payload MB/s (10^6 bytes, one
-direction), latency p50/p99/p99.9 of each call as its client task sees it, and CPU seconds per
+direction), latency p50/p99/p99.9 of each call as its client task sees it, CPU seconds per
 call of the client (getrusage of its own process) and of the server (utime+stime of
-/proc/<server pid>/stat, which the client reads at the window's edges; 10 ms ticks). Both
-processes of every implementation run on the same loop (uvloop by default, --loop asyncio).
+/proc/<server pid>/stat, which the client reads at the window's edges; 10 ms ticks), minor page
+faults per call of each (fresh memory touched), and "other CPUs": what the rest of the machine
+kept busy meanwhile (/proc/stat), the noise indicator of a shared VM. Both processes of every
+implementation run on the same loop (uvloop by default, --loop asyncio).
+
+Noise: before each implementation the bench waits (up to --settle s, default 60, --quick 0)
+until other processes use < 0.3 CPUs. --pin puts the client on CPU 0 and the server on CPU 1.
+--keep-heap sets glibc's trim/mmap thresholds in both processes so freed large buffers are
+reused instead of faulted in again (not what a user gets by default; it isolates that cost).
 
 Output: one JSON line per scenario as it finishes, then a table, the ratios (a)/(c), (a)/(d),
 (a)/(b) per scenario, and the targets of the "Benchmarks" issue, met or missed. With
@@ -202,10 +209,19 @@ async def raw_client(port: int):
 CLIENTS = {"a": aiobrpc_client, "b": aiobrpc_client, "c": grpc_client, "d": raw_client, "e": raw_client}
 
 
-def server_cpu_seconds(pid: int) -> float:
+def _proc_stat(pid: int) -> list[bytes]:
     with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rpartition(b")")[2].split()
+        return f.read().rpartition(b")")[2].split()  # fields from 3 (state) on
+
+
+def server_cpu_seconds(pid: int) -> float:
+    fields = _proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def page_faults(pid: int) -> int:
+    """Minor page faults of a process so far (first touches of fresh memory, field 10)."""
+    return int(_proc_stat(pid)[7])
 
 
 def machine_cpu_seconds() -> tuple[float, float]:
@@ -255,23 +271,33 @@ async def closed_loop(call, arr, concurrency: int, warmup: float, duration: floa
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
     await asyncio.sleep(warmup)
+    me = os.getpid()
+    before = _counters(me, server_pid)
     measuring = True
-    m0, cpu0, scpu0, t0 = machine_cpu_seconds(), client_cpu_seconds(), server_cpu_seconds(server_pid), time.perf_counter()
     await asyncio.sleep(duration)
     measuring = False
-    t1, cpu1, scpu1, m1 = time.perf_counter(), client_cpu_seconds(), server_cpu_seconds(server_pid), machine_cpu_seconds()
+    after = _counters(me, server_pid)
     stop = True
     await asyncio.gather(*tasks)
-    # What else ran meanwhile (other processes of a shared VM, the hypervisor's steal): noise.
-    others = max(0.0, (m1[0] - m0[0]) - (cpu1 - cpu0) - (scpu1 - scpu0))
-    return latencies, t1 - t0, cpu1 - cpu0, scpu1 - scpu0, others, m1[1] - m0[1]
+    d = {k: after[k] - before[k] for k in before}
+    # CPU the rest of the machine used meanwhile (other processes of a shared VM): noise.
+    d["other_cpu"] = max(0.0, d["machine_busy"] - d["client_cpu"] - d["server_cpu"])
+    return latencies, d
 
 
-def summarize(latencies: list[int], elapsed: float, size: int, client_cpu: float, server_cpu: float,
-              other_cpu: float = 0.0, steal: float = 0.0) -> dict:
+def _counters(client_pid: int, server_pid: int) -> dict:
+    busy, steal = machine_cpu_seconds()
+    return {"time": time.perf_counter(), "client_cpu": client_cpu_seconds(),
+            "server_cpu": server_cpu_seconds(server_pid), "machine_busy": busy, "steal": steal,
+            "client_faults": page_faults(client_pid), "server_faults": page_faults(server_pid)}
+
+
+def summarize(latencies: list[int], d: dict, size: int) -> dict:
+    """The figures of one scenario from its latencies (ns) and counter deltas (closed_loop)."""
     import numpy as np
     lat = np.asarray(latencies, dtype=np.float64) / 1000.0  # microseconds
     calls = int(lat.size)
+    elapsed, client_cpu, server_cpu = d["time"], d["client_cpu"], d["server_cpu"]
     q = np.percentile(lat, [50, 99, 99.9]) if calls else [float("nan")] * 3
     cdf = np.percentile(lat, np.linspace(0, 100, CDF_POINTS)).round(1).tolist() if calls else []
     return {
@@ -285,8 +311,11 @@ def summarize(latencies: list[int], elapsed: float, size: int, client_cpu: float
         "server_cpu_s": round(server_cpu, 4),
         "client_cpu_us_per_call": client_cpu / calls * 1e6 if calls else float("nan"),
         "server_cpu_us_per_call": server_cpu / calls * 1e6 if calls else float("nan"),
-        "other_cpus": round(other_cpu / elapsed, 3),  # CPUs busy with other processes meanwhile
-        "steal_cpus": round(steal / elapsed, 3),
+        # Fresh memory touched per call (4 KiB pages): a 1 MiB buffer faulted in costs 256.
+        "client_faults_per_call": d["client_faults"] / calls if calls else float("nan"),
+        "server_faults_per_call": d["server_faults"] / calls if calls else float("nan"),
+        "other_cpus": round(d["other_cpu"] / elapsed, 3),  # CPUs busy with other processes meanwhile
+        "steal_cpus": round(d["steal"] / elapsed, 3),
         "latency_cdf_us": cdf,
     }
 
@@ -304,11 +333,10 @@ async def client_main(args) -> None:
             echoed = await call(arr)  # the reply must be the payload, byte for byte
             if echoed.shape != arr.shape or not np.array_equal(echoed, arr):
                 raise SystemExit(f"{args.impl} {name}: the echo differs from the payload")
-            measured = await closed_loop(call, arr, concurrency, args.warmup, args.duration, args.server_pid)
+            lat, deltas = await closed_loop(call, arr, concurrency, args.warmup, args.duration, args.server_pid)
             row = {"impl": args.impl, "name": IMPLS[args.impl], "detail": detail, "loop": args.loop,
                    "scenario": name, "size": size, "concurrency": concurrency}
-            lat, elapsed, ccpu, scpu, others, steal = measured
-            row.update(summarize(lat, elapsed, size, ccpu, scpu, others, steal))
+            row.update(summarize(lat, deltas, size))
             print(json.dumps(row), flush=True)
     finally:
         if close is not None:
@@ -336,8 +364,16 @@ def compile_grpc_proto() -> str:
     return out
 
 
-def impl_env(impl: str, grpc_dir: str | None) -> dict:
+KEEP_HEAP = {  # glibc: keep freed memory instead of giving it back (and faulting it in again)
+    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+    "MALLOC_MMAP_THRESHOLD_": str(64 << 20),
+}
+
+
+def impl_env(impl: str, grpc_dir: str | None, keep_heap: bool = False) -> dict:
     env = dict(os.environ)
+    if keep_heap:
+        env.update(KEEP_HEAP)
     env.pop("AIOBRPC_NO_EXTENSIONS", None)
     if impl == "b":
         env["AIOBRPC_NO_EXTENSIONS"] = "1"
@@ -379,7 +415,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def run_impl(impl: str, loop: str, args, grpc_dir: str | None) -> list[dict]:
-    env = impl_env(impl, grpc_dir)
+    env = impl_env(impl, grpc_dir, args.keep_heap)
     if args.settle > 0:
         wait_quiet(args.settle)
     server, port, server_detail = start_server(impl, loop, env, 1 if args.pin else None)
@@ -397,7 +433,8 @@ def run_impl(impl: str, loop: str, args, grpc_dir: str | None) -> list[dict]:
             row["server_detail"] = server_detail
             rows.append(row)
             short = {k: row[k] for k in ("impl", "loop", "scenario", "qps", "mb_s", "p50_us", "p99_us",
-                                         "client_cpu_us_per_call", "server_cpu_us_per_call", "other_cpus")}
+                                         "client_cpu_us_per_call", "server_cpu_us_per_call", "client_faults_per_call",
+                                         "server_faults_per_call", "other_cpus")}
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in short.items()}),
                   flush=True)
         if client.wait() != 0:
@@ -449,7 +486,7 @@ def fmt_lat(us: float) -> str:
 
 def results_table(rows: list[dict], loop: str, markdown: bool = False) -> str:
     head = ["scenario", "impl", "QPS", "MB/s", "p50", "p99", "p99.9", "client CPU/call", "server CPU/call",
-            "other CPUs"]
+            "page faults/call c+s", "other CPUs"]
     lines = []
     for r in rows:
         if r["loop"] != loop:
@@ -457,6 +494,7 @@ def results_table(rows: list[dict], loop: str, markdown: bool = False) -> str:
         lines.append([r["scenario"], f"({r['impl']}) {r['name']}", f"{r['qps']:,.0f}", f"{r['mb_s']:,.1f}",
                       fmt_lat(r["p50_us"]), fmt_lat(r["p99_us"]), fmt_lat(r["p999_us"]),
                       f"{r['client_cpu_us_per_call']:,.1f} us", f"{r['server_cpu_us_per_call']:,.1f} us",
+                      f"{r.get('client_faults_per_call', 0):,.1f}+{r.get('server_faults_per_call', 0):,.1f}",
                       f"{r.get('other_cpus', 0):.2f}"])
     return _render(head, lines, markdown)
 
@@ -520,7 +558,8 @@ def _render(head: list[str], lines: list[list[str]], markdown: bool) -> str:
 def report(result: dict, markdown: bool) -> None:
     rows = result["rows"]
     for loop in result["loops"]:
-        print(f"\n== {loop}: median of {result['repeat']} run(s) per figure; "
+        flags = "".join(f", {f}" for f in ("keep_heap", "pin") if result.get(f))
+        print(f"\n== {loop}{flags}: median of {result['repeat']} run(s) per figure; "
               f"{result['duration']} s per scenario after {result['warmup']} s warm-up ==")
         print(results_table(rows, loop))
         print(f"\n-- ratios ({loop}) --")
@@ -548,8 +587,7 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
     loop = "uvloop" if "uvloop" in result["loops"] else result["loops"][0]
     impls = [i for i in IMPLS if any(r["impl"] == i and r["loop"] == loop for r in rows)]
     marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v"}
-    line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": ":"}
-    style = {i: marker[i] + line[i] for i in IMPLS}
+    line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": (0, (5, 2, 1, 2, 1, 2))}
     written = []
     stamp = f"{result['date'][:10]}, {loop}, 2-core VM"
 
@@ -558,7 +596,7 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
         pts = [(c, r["qps"]) for n, _, c in SCENARIOS if n.startswith("16B")
                for r in [_find(rows, loop, i, n)] if r is not None]
         if pts:
-            ax.plot(*zip(*pts), style[i], label=f"({i}) {IMPLS[i]}")
+            ax.plot(*zip(*pts), marker=marker[i], linestyle=line[i], label=f"({i}) {IMPLS[i]}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks([1, 16, 128], ["1", "16", "128"])
@@ -577,7 +615,7 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
     for i in impls:
         pts = [(size, r["mb_s"]) for n, size, _ in sized for r in [_find(rows, loop, i, n)] if r is not None]
         if pts:
-            ax.plot(*zip(*pts), style[i], label=f"({i}) {IMPLS[i]}")
+            ax.plot(*zip(*pts), marker=marker[i], linestyle=line[i], label=f"({i}) {IMPLS[i]}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks([s for _, s, _ in sized], [n.replace(" ", "\n") for n, _, _ in sized])
@@ -596,7 +634,7 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
     for i in impls:
         r = _find(rows, loop, i, "16B c=16")
         if r is not None and r["latency_cdf_us"]:
-            ax.plot(r["latency_cdf_us"], q, line[i], label=f"({i}) {IMPLS[i]}")
+            ax.plot(r["latency_cdf_us"], q, linestyle=line[i], label=f"({i}) {IMPLS[i]}")
     ax.set_xscale("log")
     ax.set_xlabel("latency (us)")
     ax.set_ylabel("fraction of calls")
@@ -623,7 +661,16 @@ def machine_info() -> dict:
             versions[mod] = __import__(mod, fromlist=["__version__"]).__version__
         except Exception:
             versions[mod] = "missing"
-    return {"cpus": os.cpu_count(), "cpu_model": model, "loadavg_at_start": os.getloadavg(), "python": platform.python_version(),
+    try:  # what was measured: the commit, and the files of aiobrpc changed since
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "aiobrpc", "setup.py"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        dirty = [ln[3:] for ln in dirty if ln.strip()]
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", []
+    return {"cpus": os.cpu_count(), "cpu_model": model, "loadavg_at_start": os.getloadavg(),
+            "git_commit": commit, "aiobrpc_changed_files": dirty, "python": platform.python_version(),
             "platform": platform.platform(), "versions": versions}
 
 
@@ -654,6 +701,7 @@ def driver_main(args) -> None:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": machine, "loops": loops, "impls": impls, "repeat": args.repeat,
         "warmup": args.warmup, "duration": args.duration, "quick": args.quick,
+        "keep_heap": args.keep_heap, "pin": args.pin,
         "wall_seconds": round(time.perf_counter() - started, 1),
         "rows": median_rows(all_rows), "all_runs": all_rows,
     }
@@ -677,6 +725,10 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, help="rounds; each figure is the median (default 3, --quick 1)")
     p.add_argument("--pin", action="store_true",
                    help="pin the client to CPU 0 and the server to CPU 1 (default: the scheduler places them)")
+    p.add_argument("--keep-heap", action="store_true",
+                   help="set MALLOC_TRIM_THRESHOLD_/MALLOC_MMAP_THRESHOLD_ in both processes so glibc "
+                        "reuses freed large buffers instead of faulting fresh pages in (not the default "
+                        "a user gets: shows what page faults cost)")
     p.add_argument("--settle", type=float,
                    help="before each implementation wait up to this many seconds for other processes "
                         "to use < 0.3 CPUs (default 60, --quick 0)")

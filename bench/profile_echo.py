@@ -5,9 +5,12 @@
     python bench/profile_echo.py --native                 # Cython and C frames too
 
 Needs `pip install py-spy` and permission to ptrace the children (a container may need
---cap-add SYS_PTRACE). The processes run exactly as in echo.py; py-spy samples each for
-`--seconds` after a 1 s warm-up, and this prints, per process, the functions with the most
-samples on top of the stack (self time) and in the stack (total time). The raw collapsed
+--cap-add SYS_PTRACE). The processes run as in echo.py, except that the client is pinned to
+CPU 0 and the server to CPU 1 (--no-pin to leave them to the scheduler: then a woken peer often
+runs on the writer's CPU and its writev() looks long to a wall-clock sampler); py-spy samples each for
+`--seconds` after a 1 s warm-up, and this prints, per process, the functions and the lines
+with the most samples on top of the stack (self time; py-spy cuts coroutine stacks at the
+task step, so inclusive times would be partial and are left out). The raw collapsed
 stacks are kept in bench/results/profile-<impl>-<role>.txt for a flame graph
 (flamegraph.pl or speedscope.app read them).
 """
@@ -29,9 +32,9 @@ RESULTS = echo.RESULTS
 
 
 def top_functions(path: Path, limit: int) -> tuple[int, list, list]:
-    """(samples, [(self count, function)], [(total count, function)]) of a py-spy raw file."""
+    """(samples, [(self count, function)], [(self count, function:line)]) of a py-spy raw file."""
     own: collections.Counter = collections.Counter()
-    total: collections.Counter = collections.Counter()
+    lines: collections.Counter = collections.Counter()
     samples = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -39,21 +42,20 @@ def top_functions(path: Path, limit: int) -> tuple[int, list, list]:
             continue
         n = int(count)
         samples += n
-        frames = [_short(f) for f in stack.split(";")]
-        own[frames[-1]] += n
-        for f in set(frames):
-            total[f] += n
-    return samples, own.most_common(limit), total.most_common(limit)
+        leaf = stack.rpartition(";")[2]
+        own[_short(leaf)] += n
+        lines[_short(leaf, with_line=True)] += n
+    return samples, own.most_common(limit), lines.most_common(limit)
 
 
-def _short(frame: str) -> str:
+def _short(frame: str, with_line: bool = False) -> str:
     # py-spy raw frames look like "function (path/to/file.py:123)"; keep function and file.
     name, _, where = frame.partition(" (")
     where = where.rstrip(")")
-    file, _, _ = where.rpartition(":")
+    file, _, lineno = where.rpartition(":")
     parts = Path(file).parts
     short = "/".join(parts[-2:]) if parts else where
-    return f"{name} ({short})"
+    return f"{name} ({short}:{lineno})" if with_line else f"{name} ({short})"
 
 
 def main(argv=None) -> None:
@@ -110,17 +112,15 @@ def main(argv=None) -> None:
     for role, (_, out) in spies.items():
         if not out.exists():
             continue
-        samples, own, total = top_functions(out, args.top)
-        print(f"\n== {role} (pid samples: {samples}; {out}) ==")
-        print(f"{'self %':>7}  {'total %':>7}  function")
-        totals = dict(total)
-        full_total = dict(top_functions(out, 10_000)[2])
+        samples, own, lines = top_functions(out, args.top)
+        print(f"\n== {role}: {samples} samples ({out}) ==")
+        print("self %  function   (self: on top of the Python stack, C code it calls included)")
         for fn, n in own:
-            print(f"{100 * n / samples:7.1f}  {100 * full_total.get(fn, n) / samples:7.1f}  {fn}")
-        print(f"\n-- {role}: most time in the stack --")
-        for fn, n in total:
-            print(f"{100 * n / samples:7.1f}  {fn}")
-        del totals
+            print(f"{100 * n / samples:6.1f}  {fn}")
+        # Totals are left out: py-spy cuts a coroutine's stack at the task step that resumed it.
+        print(f"\n-- {role}: hottest lines --")
+        for fn, n in lines:
+            print(f"{100 * n / samples:6.1f}  {fn}")
 
 
 if __name__ == "__main__":

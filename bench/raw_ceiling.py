@@ -147,7 +147,9 @@ class RawConnection(asyncio.BufferedProtocol):
             return
         small: list = []
         for buf in out:
-            if len(memoryview(buf).cast("B")) < _JOIN_LIMIT:
+            if type(buf) is not bytes:
+                buf = memoryview(buf).cast("B")  # asyncio's write() takes no numpy array
+            if len(buf) < _JOIN_LIMIT:
                 small.append(buf)
                 continue
             if small:
