@@ -26,12 +26,13 @@ class _Method:
         self.request_class = message_class(method_descriptor.input_type)
         self.response_class = message_class(method_descriptor.output_type)
 
-    async def __call__(self, request, cntl=None):
+    def __call__(self, request, cntl=None):
+        # Returns the channel's coroutine itself: one coroutine frame less per call.
         if type(request) is not self.request_class and not isinstance(request, self.request_class):
             raise TypeError(f"{self.service_name}.{self.method_name} takes a "
                             f"{self.request_class.DESCRIPTOR.full_name}, got {type(request).__name__}")
-        return await self._channel.call_method(self.service_name, self.method_name, request,
-                                               self.response_class, cntl)
+        return self._channel.call_method(self.service_name, self.method_name, request,
+                                         self.response_class, cntl)
 
     def __repr__(self) -> str:
         return f"<method {self.service_name}.{self.method_name}>"

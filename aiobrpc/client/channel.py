@@ -141,7 +141,9 @@ class Channel:
         """
         if cntl is None:
             cntl = Controller()
-        loop = asyncio.get_running_loop()
+        conn = self._conn
+        # The connection's loop when there is one: get_running_loop() costs a getpid() on 3.11.
+        loop = conn.loop if conn is not None and not conn.is_closed else asyncio.get_running_loop()
         opts = self.options
         start = loop.time()
         start_ns = time.perf_counter_ns()

@@ -193,7 +193,7 @@ class Server:
         self.concurrency += 1
         conn.inflight += 1
         self._idle_event.clear()
-        task = asyncio.get_running_loop().create_task(self._serve(conn, meta, entry, request, cntl))
+        task = conn.loop.create_task(self._serve(conn, meta, entry, request, cntl))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
