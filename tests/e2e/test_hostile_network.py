@@ -97,7 +97,6 @@ async def test_a11_hundred_frames_in_one_write_and_one_dribbled(server):
         writer.write(one[i:i + 1])
         await writer.drain()
         await asyncio.sleep(0)
-    got = b""
     dec = baidu_std.Decoder(baidu_std.CLIENT)
     seen = []
     while len(seen) < 101:
