@@ -74,8 +74,6 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._out: list = []
         self._out_bytes = 0
         self._flush_scheduled = False
-        self._paused = False
-        self._drain_waiters: list[asyncio.Future] = []
         self._writelines_ok = False
         self.hold_events = False  # a subclass sets it to leave events buffered for now
 
@@ -132,21 +130,7 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._out.clear()
         self._out_bytes = 0
         self.decoder.reader.rbuf.clear()
-        for w in self._drain_waiters:
-            if not w.done():
-                w.set_result(None)
-        self._drain_waiters.clear()
         self.closed(self.close_reason or exc)
-
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
 
     # -- hooks -------------------------------------------------------------------------------
     def connection_made_hook(self) -> None:
@@ -200,13 +184,6 @@ class FramedConnection(asyncio.BufferedProtocol):
             self.transport.write(buf)
         if small:
             self.transport.write(b"".join(small) if len(small) > 1 else small[0])
-
-    async def drain(self) -> None:
-        """Wait while the transport has asked us to stop writing."""
-        if self._paused and not self.is_closed:
-            w = self.loop.create_future()
-            self._drain_waiters.append(w)
-            await w
 
     def close(self, reason: BaseException | None = None) -> None:
         """Flush what is queued, then close."""

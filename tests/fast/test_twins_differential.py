@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from aiobrpc._fast import framing_py, iobuf_py, meta_py
 from aiobrpc.errors import ProtocolError
+from tests.helpers.wire import vi
 
 meta_c = pytest.importorskip("aiobrpc._fast.meta")
 framing_c = pytest.importorskip("aiobrpc._fast.framing")
@@ -182,16 +183,6 @@ def test_deleted_field_behaves_like_a_deleted_slot():
 
 
 # --- meta: decode ------------------------------------------------------------------------------
-
-def vi(n: int) -> bytes:
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
 
 field_numbers = st.sampled_from(list(range(15)) + [99, 1 << 28, 1 << 60])
 varint_values = (st.sampled_from([0, 1, 127, 128, 1 << 31, (1 << 32) - 1, 1 << 63, (1 << 64) - 1])
