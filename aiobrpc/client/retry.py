@@ -1,0 +1,197 @@
+"""Retry policies (client.md §3.2) and a gRPC-style retry throttle.
+
+A policy answers two questions about a failed attempt: retry it (`do_retry`), and how long to
+wait first (`backoff_ms`). Codes in NEVER_RETRIED end the call whatever a policy says; use
+`retry_allowed(policy, cntl)` to ask with that rule applied.
+
+>>> from aiobrpc.controller import Controller
+>>> from aiobrpc import errors
+>>> cntl = Controller()
+>>> cntl.error_code = errors.EEOF
+>>> RetryPolicy().do_retry(cntl)
+True
+>>> cntl.error_code = errors.ERPCTIMEDOUT
+>>> retry_allowed(RetryPolicy(retry_on={errors.EEOF, errors.EINTERNAL}), cntl)
+False
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from typing import Any
+
+from .. import errors
+
+# brpc's RpcRetryPolicy::DoRetry set (errors.md §2).
+RETRYABLE_BY_DEFAULT: frozenset[int] = errors.DEFAULT_RETRYABLE
+
+# Codes that end the call whatever the policy says:
+# ERPCTIMEDOUT: the deadline covers all attempts, nothing is left to retry in (brpc asserts);
+# ECANCELED: the user ended the call (brpc asserts);
+# EBACKUPREQUEST: the backup timer's marker, not an attempt failure;
+# EREQUEST: the request could not be built or parsed; the same bytes fail the same way again
+#   (brpc lets a custom policy retry a server-side EREQUEST; we do not);
+# EREJECT: the client's own cluster-recovery throttle shed the call (client.md §5.9).
+NEVER_RETRIED: frozenset[int] = frozenset({
+    errors.ERPCTIMEDOUT, errors.ECANCELED, errors.EBACKUPREQUEST, errors.EREQUEST,
+    errors.EREJECT,
+})
+
+
+class RetryPolicy:
+    """brpc's default policy: retry the codes of RETRYABLE_BY_DEFAULT, no backoff.
+
+    `retry_on` replaces the retried set (it may not contain NEVER_RETRIED codes or 0).
+    Subclass and override `do_retry` for other rules; a success (error_code 0) may be retried
+    by an override (the response is then discarded).
+    """
+
+    def __init__(self, *, retry_on: Iterable[int] | None = None) -> None:
+        if retry_on is None:
+            self.retry_on = RETRYABLE_BY_DEFAULT
+        else:
+            codes = frozenset(retry_on)
+            bad = sorted(codes & (NEVER_RETRIED | {0}))
+            if bad:
+                raise ValueError(f"retry_on may not contain {bad}: these codes are never "
+                                 f"retried (0 is success)")
+            self.retry_on = codes
+
+    def do_retry(self, cntl: Any) -> bool:
+        """True if the attempt that failed with `cntl.error_code` should be retried."""
+        return cntl.error_code in self.retry_on
+
+    def backoff_ms(self, cntl: Any, remaining_ms: float) -> float:
+        """Milliseconds to wait before the retry; `remaining_ms` is the time left to the
+        deadline (math.inf without one). 0 means retry at once."""
+        return 0.0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class FixedBackoffRetryPolicy(RetryPolicy):
+    """Wait `backoff_ms` before each retry (brpc's RpcRetryPolicyWithFixedBackoff).
+
+    No backoff when less than `no_backoff_remaining_rpc_time_ms` is left, nor when the
+    backoff would not end before the deadline.
+
+    >>> FixedBackoffRetryPolicy(10, 30).backoff_ms(None, remaining_ms=100)
+    10.0
+    >>> FixedBackoffRetryPolicy(10, 30).backoff_ms(None, remaining_ms=20)
+    0.0
+    """
+
+    def __init__(self, backoff_ms: float, no_backoff_remaining_rpc_time_ms: float = 0,
+                 retry_on: Iterable[int] | None = None) -> None:
+        super().__init__(retry_on=retry_on)
+        _check_ms("backoff_ms", backoff_ms)
+        _check_ms("no_backoff_remaining_rpc_time_ms", no_backoff_remaining_rpc_time_ms)
+        self._backoff_ms = float(backoff_ms)
+        self.no_backoff_remaining_rpc_time_ms = float(no_backoff_remaining_rpc_time_ms)
+
+    def backoff_ms(self, cntl: Any, remaining_ms: float) -> float:
+        return _bounded(self._backoff_ms, remaining_ms, self.no_backoff_remaining_rpc_time_ms)
+
+    def __repr__(self) -> str:
+        return (f"FixedBackoffRetryPolicy({self._backoff_ms:g}, "
+                f"{self.no_backoff_remaining_rpc_time_ms:g})")
+
+
+class JitteredBackoffRetryPolicy(RetryPolicy):
+    """Wait a uniform random time in [min_backoff_ms, max_backoff_ms] before each retry
+    (brpc's RpcRetryPolicyWithJitteredBackoff), with the same remaining-time rules as
+    FixedBackoffRetryPolicy.
+
+    >>> p = JitteredBackoffRetryPolicy(10, 20, rng=random.Random(1))
+    >>> 10 <= p.backoff_ms(None, remaining_ms=math.inf) <= 20
+    True
+    """
+
+    def __init__(self, min_backoff_ms: float, max_backoff_ms: float,
+                 no_backoff_remaining_rpc_time_ms: float = 0,
+                 rng: random.Random | None = None, *,
+                 retry_on: Iterable[int] | None = None) -> None:
+        super().__init__(retry_on=retry_on)
+        _check_ms("min_backoff_ms", min_backoff_ms)
+        _check_ms("max_backoff_ms", max_backoff_ms)
+        _check_ms("no_backoff_remaining_rpc_time_ms", no_backoff_remaining_rpc_time_ms)
+        if min_backoff_ms > max_backoff_ms:
+            raise ValueError(f"min_backoff_ms {min_backoff_ms} exceeds max_backoff_ms "
+                             f"{max_backoff_ms}")
+        self.min_backoff_ms = float(min_backoff_ms)
+        self.max_backoff_ms = float(max_backoff_ms)
+        self.no_backoff_remaining_rpc_time_ms = float(no_backoff_remaining_rpc_time_ms)
+        self._rng = rng if rng is not None else random.Random()
+
+    def backoff_ms(self, cntl: Any, remaining_ms: float) -> float:
+        if remaining_ms < self.no_backoff_remaining_rpc_time_ms:
+            return 0.0  # don't draw: keeps an injected rng's sequence tied to real backoffs
+        backoff = self._rng.uniform(self.min_backoff_ms, self.max_backoff_ms)
+        return _bounded(backoff, remaining_ms, self.no_backoff_remaining_rpc_time_ms)
+
+    def __repr__(self) -> str:
+        return (f"JitteredBackoffRetryPolicy({self.min_backoff_ms:g}, {self.max_backoff_ms:g}, "
+                f"{self.no_backoff_remaining_rpc_time_ms:g})")
+
+
+def retry_allowed(policy: RetryPolicy, cntl: Any) -> bool:
+    """`policy.do_retry(cntl)`, except that NEVER_RETRIED codes are never retried.
+
+    The caller still checks `retried_count < max_retry` and the deadline.
+    """
+    return cntl.error_code not in NEVER_RETRIED and bool(policy.do_retry(cntl))
+
+
+class RetryThrottle:
+    """Token bucket that stops retries while a server mostly fails (gRPC proposal A6).
+
+    Tokens start at `max_tokens`; each failed attempt takes 1 (not below 0), each success
+    gives back `token_ratio` (not above `max_tokens`); retries are allowed only while more
+    than half the tokens are left. One throttle is meant to be shared by all calls to a
+    cluster.
+
+    >>> t = RetryThrottle(max_tokens=4, token_ratio=0.5)
+    >>> t.on_failure(); t.allow_retry()
+    True
+    >>> t.on_failure(); t.allow_retry()
+    False
+    >>> t.on_success(); t.allow_retry()
+    True
+    """
+
+    def __init__(self, max_tokens: float = 100, token_ratio: float = 0.1) -> None:
+        if not (isinstance(max_tokens, (int, float)) and 0 < max_tokens <= 1000):
+            raise ValueError(f"max_tokens must be in (0, 1000], got {max_tokens!r}")
+        if not (isinstance(token_ratio, (int, float)) and 0 < token_ratio <= max_tokens):
+            raise ValueError(f"token_ratio must be > 0 and <= max_tokens, got {token_ratio!r}")
+        self.max_tokens = float(max_tokens)
+        self.token_ratio = float(token_ratio)
+        self.tokens = self.max_tokens
+
+    def on_success(self) -> None:
+        self.tokens = min(self.max_tokens, self.tokens + self.token_ratio)
+
+    def on_failure(self) -> None:
+        self.tokens = max(0.0, self.tokens - 1)
+
+    def allow_retry(self) -> bool:
+        return self.tokens > self.max_tokens / 2
+
+    def __repr__(self) -> str:
+        return f"<RetryThrottle {self.tokens:g}/{self.max_tokens:g} tokens>"
+
+
+def _check_ms(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number of milliseconds >= 0, got {value!r}")
+
+
+def _bounded(backoff_ms: float, remaining_ms: float, no_backoff_below_ms: float) -> float:
+    # brpc: no backoff when little time is left, nor one that would outlast the deadline.
+    if remaining_ms < no_backoff_below_ms or backoff_ms >= remaining_ms:
+        return 0.0
+    return backoff_ms
