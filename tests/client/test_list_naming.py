@@ -69,7 +69,7 @@ def test_parse_entry():
 def test_server_node_identity_and_validation():
     assert ServerNode("h", 1, "t") == ServerNode("h", 1, "t")
     assert len({ServerNode("h", 1), ServerNode("h", 1), ServerNode("h", 1, "t")}) == 2
-    assert sorted([ServerNode("b", 1), ServerNode("a", 2)])[0].host == "a"
+    assert min(ServerNode("b", 1), ServerNode("a", 2)).host == "a"
     for port in (0, 65536, "80", True):
         with pytest.raises(ValueError, match="port"):
             ServerNode("h", port)

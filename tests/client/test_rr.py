@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -50,7 +51,7 @@ def test_every_server_once_per_n_selections_in_a_stride_order(n, seed):
     for block in range(3):
         assert sorted(picks[block * n:(block + 1) * n]) == list(range(n))
     # Consecutive picks differ by the same step (the stride mod n): a stride permutation.
-    assert len({(b - a) % n for a, b in zip(picks, picks[1:])}) == 1
+    assert len({(b - a) % n for a, b in itertools.pairwise(picks)}) == 1
 
 
 def test_start_offset_and_stride_are_random():

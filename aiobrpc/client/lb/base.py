@@ -12,7 +12,8 @@ from collections.abc import Callable, Collection, Sequence
 from ..naming.base import ServerNode
 
 
-def _always(server: ServerNode) -> bool:
+def always_available(server: ServerNode) -> bool:
+    """The default `available` predicate of `select`: every server is usable."""
     return True
 
 
@@ -42,7 +43,7 @@ class LoadBalancer(ABC):
 
     @abstractmethod
     def select(self, *, excluded: Collection[ServerNode] = (),
-               available: Callable[[ServerNode], bool] = _always,
+               available: Callable[[ServerNode], bool] = always_available,
                request_code: int | None = None) -> ServerNode:
         """The server for the next attempt."""
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from ...errors import EHOSTDOWN, ENODATA, RpcError
 from ..naming.base import ServerNode
-from .base import LoadBalancer, _always
+from .base import LoadBalancer, always_available
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class RoundRobinLoadBalancer(LoadBalancer):
         return cls(**values)
 
     def select(self, *, excluded: Collection[ServerNode] = (),
-               available: Callable[[ServerNode], bool] = _always,
+               available: Callable[[ServerNode], bool] = always_available,
                request_code: int | None = None) -> ServerNode:
         servers = self._servers
         n = len(servers)
