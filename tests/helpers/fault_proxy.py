@@ -62,6 +62,7 @@ class _Link:
         self.sent = {"up": 0, "down": 0}
         self.eof = {"up": False, "down": False}
         self.is_cut = False
+        self.finished = False  # closed on both sides with FIN, nothing left to abort
         self.cut_event = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
 
@@ -75,6 +76,7 @@ class _Link:
             up_r, self.up_w = await asyncio.open_connection(*proxy.target)
         except OSError as e:
             log.debug("fault proxy: upstream %s unreachable: %s", proxy.target, e)
+            self.finished = True
             self.client_w.close()
             return
         if self.is_cut:  # cut while connecting
@@ -161,6 +163,7 @@ class _Link:
     def _forward_eof(self, direction: str, dst: asyncio.StreamWriter) -> None:
         self.eof[direction] = True
         if all(self.eof.values()):
+            self.finished = True
             self.client_w.close()
             self.up_w.close()
         elif dst.can_write_eof():
@@ -338,14 +341,17 @@ class FaultProxy:
         try:
             await link.run()
         finally:
-            self._links.discard(link)
-            if not link.is_cut:
-                link.cut("abort")  # what the run left open (cancelled, or half-closed)
-            for w in (link.client_w, link.up_w):
-                if w is not None:
-                    # Retrieves a reset's exception, which the streams would otherwise report
-                    # as "Future exception was never retrieved" when a gc cycle frees them.
-                    try:
-                        await w.wait_closed()
-                    except OSError:
-                        pass
+            if not (link.is_cut or link.finished):
+                link.cut("abort")  # the run was cancelled
+            try:
+                for w in (link.client_w, link.up_w):
+                    if w is not None:
+                        # Waits for a FIN to follow what is still buffered (close() aborts that),
+                        # and retrieves a reset's exception, which the streams would otherwise
+                        # report as "Future exception was never retrieved" from gc.
+                        try:
+                            await w.wait_closed()
+                        except OSError:
+                            pass
+            finally:
+                self._links.discard(link)

@@ -43,7 +43,11 @@ class EchoServer:
             pass
         finally:
             self._tasks.discard(asyncio.current_task())
-            await close(writer)
+            writer.close()  # after what is still buffered
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
 
     async def __aenter__(self) -> EchoServer:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -130,6 +134,20 @@ async def test_half_close_is_passed_on(proxy):
     writer.write(b"last words")
     writer.write_eof()
     assert await asyncio.wait_for(reader.read(), 2) == b"last words"  # then EOF
+    await close(writer)
+
+
+async def test_large_transfer_then_half_close_loses_nothing(proxy):
+    reader, writer = await connect(proxy)
+    data = os.urandom(4 << 20)
+
+    async def send():
+        writer.write(data)
+        writer.write_eof()
+        await writer.drain()
+    _, echoed = await asyncio.wait_for(asyncio.gather(send(), reader.read()), 10)
+    assert echoed == data and proxy.bytes_up == proxy.bytes_down == len(data)
+    await eventually(lambda: proxy.active_connections == 0)
     await close(writer)
 
 

@@ -54,6 +54,19 @@ async def stop(srv):
     await srv.stop()
     await srv.join(timeout=2)
 
+async def established_then(rules, **opts):
+    """One call on a fresh connection, then `rules`, then one more call on the same one."""
+    srv = await server()
+    opts.setdefault("max_retry", 0)
+    ch, stub = channel(%(server_port)d, **opts)
+    first = await call(stub)
+    nft(rules)
+    after = await call(stub)
+    out = {"first": first, "after": after, "connections": ch.stats.connections_made}
+    await ch.close()
+    await stop(srv)
+    return out
+
 async def _run():
     loop = asyncio.get_running_loop()
     loop_errors = []
@@ -119,20 +132,12 @@ async def main():
 
 
 def test_e6_established_connection_then_dropped_times_out_at_the_deadline(netns):
-    r = netns(f'''
+    r = netns(f"""
 async def main():
-    srv = await server()
-    ch, stub = channel({SERVER_PORT}, timeout_ms=200, max_retry=3)
-    first = await call(stub)
-    nft({drop_rule(SERVER_PORT)!r})
-    dropped = await call(stub)
-    out = {{"first": first, "dropped": dropped, "connections": ch.stats.connections_made}}
-    await ch.close()
-    await stop(srv)
-    return out
-''')
+    return await established_then({drop_rule(SERVER_PORT)!r}, timeout_ms=200, max_retry=3)
+""")
     assert r["first"][0] == 0, r
-    code, elapsed = r["dropped"]
+    code, elapsed = r["after"]
     assert code == errors.ERPCTIMEDOUT and 0.19 <= elapsed < 0.8, r  # never retried
     assert r["connections"] == 1, r
 
@@ -153,20 +158,12 @@ async def main():
 
 
 def test_e7_rst_on_an_established_connection_fails_the_call_at_once(netns):
-    r = netns(f'''
+    r = netns(f"""
 async def main():
-    srv = await server()
-    ch, stub = channel({SERVER_PORT}, timeout_ms=2000, max_retry=0)
-    first = await call(stub)
-    nft({drop_rule(SERVER_PORT, "reject with tcp reset")!r})
-    reset = await call(stub)
-    out = {{"first": first, "reset": reset}}
-    await ch.close()
-    await stop(srv)
-    return out
-''')
+    return await established_then({drop_rule(SERVER_PORT, "reject with tcp reset")!r}, timeout_ms=2000)
+""")
     assert r["first"][0] == 0, r
-    code, elapsed = r["reset"]
+    code, elapsed = r["after"]
     assert code == errors.EFAILEDSOCKET and elapsed < 0.5, r
 
 
