@@ -82,11 +82,20 @@ class _Link:
         if self.is_cut:  # cut while connecting
             _abort(self.up_w, reset=False)
             return
-        async with asyncio.TaskGroup() as tg:
-            for direction, src, dst in (("up", self.client_r, self.up_w), ("down", up_r, self.client_w)):
-                queue: asyncio.Queue = asyncio.Queue(_QUEUE_CHUNKS)
-                self.tasks.append(tg.create_task(self._read(direction, src, queue)))
-                self.tasks.append(tg.create_task(self._send(direction, dst, queue)))
+        loop = asyncio.get_running_loop()
+        for direction, src, dst in (("up", self.client_r, self.up_w), ("down", up_r, self.client_w)):
+            queue: asyncio.Queue = asyncio.Queue(_QUEUE_CHUNKS)
+            self.tasks.append(loop.create_task(self._read(direction, src, queue)))
+            self.tasks.append(loop.create_task(self._send(direction, dst, queue)))
+        try:
+            await asyncio.wait(self.tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in self.tasks:
+                t.cancel()
+            await asyncio.wait(self.tasks)
+        for t in self.tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
 
     async def _discard(self, src: asyncio.StreamReader) -> None:
         try:
@@ -304,7 +313,7 @@ class FaultProxy:
         await asyncio.sleep(0)  # asyncio closes an aborted transport's socket one turn later
         if self._errors:
             errors, self._errors = self._errors, []
-            raise BaseExceptionGroup("FaultProxy tasks failed", errors)
+            raise RuntimeError(f"FaultProxy tasks failed: {errors!r}") from errors[0]
 
     # -- internals -------------------------------------------------------------------------
     def _spawn(self, coro) -> asyncio.Task:

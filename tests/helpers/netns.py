@@ -41,7 +41,7 @@ class NetnsError(RuntimeError):
 
 def nft(rules: str) -> None:
     """Load nft `rules` (the `nft -f` syntax) into the current namespace."""
-    proc = subprocess.run(["nft", "-f", "-"], input=rules, capture_output=True, text=True)
+    proc = subprocess.run(["nft", "-f", "-"], input=rules, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise NetnsError(f"nft -f failed ({proc.returncode}): {proc.stderr.strip()}\nrules:\n{rules}")
 
@@ -55,7 +55,7 @@ def run_in_netns(script: str, nft_rules: str | None = None, timeout: float = 60.
     cmd = ["unshare", "--net", "--", sys.executable, "-c", _BOOTSTRAP, nft_rules or "", script]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env,
-                              cwd=REPO_ROOT)
+                              cwd=REPO_ROOT, check=False)
     except subprocess.TimeoutExpired as e:
         raise NetnsError(f"netns script did not finish within {timeout} s\n"
                          f"stdout:\n{_text(e.stdout)}\nstderr:\n{_text(e.stderr)}") from None
@@ -80,7 +80,7 @@ def netns_available() -> str | None:
              "  type filter hook output priority 0; policy accept;\\n }\\n}\\n' | nft -f -")
     try:
         proc = subprocess.run(["unshare", "--net", "--", "sh", "-c", probe],
-                              capture_output=True, text=True, timeout=30)
+                              capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare --net failed: {e}"
     if proc.returncode:
