@@ -7,7 +7,6 @@ the connection.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 
@@ -80,24 +79,33 @@ def _not_implemented(name: str):
     return handler
 
 
-def server_controller(ev, conn) -> Controller:
+def server_controller(ev, conn, entry: MethodEntry) -> Controller:
     meta = ev.meta
-    cntl = Controller()
-    cntl.log_id = meta.log_id
-    cntl.timeout_ms = meta.timeout_ms
-    cntl.request_id = meta.request_id
-    cntl.service_name = meta.service_name or ""
-    cntl.method_name = meta.method_name or ""
+    cntl = _new_controller(Controller)  # class defaults, no argument checks: fields set here
+    if meta.log_id is not None:
+        cntl.log_id = meta.log_id
+    if meta.timeout_ms is not None:
+        cntl.timeout_ms = meta.timeout_ms
+    if meta.request_id is not None:
+        cntl.request_id = meta.request_id
+    cntl.service_name = entry.service_name
+    cntl.method_name = entry.method_name
     cntl.correlation_id = meta.correlation_id or 0
-    cntl.request_compress_type = meta.compress_type or 0
-    cntl.request_checksum = bool(meta.checksum_type)
+    if meta.compress_type:
+        cntl.request_compress_type = meta.compress_type
+    if meta.checksum_type:
+        cntl.request_checksum = True
     cntl.request_attachment = ev.attachment
     if meta.user_fields:
         cntl.request_user_fields = dict(meta.user_fields)
-    cntl.authentication_data = conn.credential
+    if conn.credential is not None:
+        cntl.authentication_data = conn.credential
     cntl.remote_side = conn.peer
     cntl.local_side = conn.local
     return cntl
+
+
+_new_controller = object.__new__
 
 
 def parse_request(entry: MethodEntry, ev, max_decompressed_size: int):
@@ -142,11 +150,15 @@ def success_response(request_meta, response, cntl: Controller) -> list:
     meta.error_code = 0
     meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
     attachment = cntl.response_attachment
-    try:
-        data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
-                                     cntl.response_checksum, cntl.response_checksum)
-    except ValueError as e:
-        raise RpcError(ERESPONSE, str(e)) from None
+    if cntl.response_compress_type or cntl.response_checksum:
+        try:
+            data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
+                                         cntl.response_checksum, cntl.response_checksum)
+        except ValueError as e:
+            raise RpcError(ERESPONSE, str(e)) from None
+    else:
+        data = serialized
+        meta.compress_type = 0
     fields = cntl._response_user_fields
     if fields:
         meta.user_fields = list(fields.items())
@@ -166,13 +178,6 @@ def auth_failure_response(request_meta, extra: str = "") -> list:
     meta.error_text = "Fail to authenticate" + (f": {extra}" if extra else "")
     meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
     return baidu_std.pack(meta, b"")
-
-
-async def run_handler(entry: MethodEntry, request, cntl: Controller, executor):
-    if entry.is_async:
-        return await entry.handler(request, cntl)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, entry.handler, request, cntl)
 
 
 def admission_error(server, conn, ev):

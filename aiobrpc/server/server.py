@@ -12,16 +12,20 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import sys
 
 from ..errors import EINTERNAL, ERESPONSE, RpcError
 from ..options import ServerOptions
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
-from .dispatch import (Registry, admission_error, error_response, parse_request, run_handler,
-                       server_controller, success_response)
+from .dispatch import (Registry, admission_error, error_response, parse_request, server_controller,
+                       success_response)
 
 log = logging.getLogger(__name__)
+_new_task = asyncio.Task
+_current_task = asyncio.current_task
+_EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 _refuse_log = RateLimitedLog()
 
 
@@ -189,20 +193,25 @@ class Server:
             bufs = error_response(conn, meta, e.code, e.text, self._tag(conn))
             conn.write(bufs, buffers_size(bufs))
             return
-        cntl = server_controller(ev, conn)
+        cntl = server_controller(ev, conn, entry)
         self.concurrency += 1
         conn.inflight += 1
         self._idle_event.clear()
-        task = conn.loop.create_task(self._serve(conn, meta, entry, request, cntl))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # One task per request, so a slow handler never delays the others. From 3.12 the task
+        # starts eagerly: a handler that finishes without suspending costs no loop iteration.
+        task = _new_task(self._serve(conn, meta, entry, request, cntl), loop=conn.loop, **_EAGER)
+        if not task.done():
+            self._tasks.add(task)  # _serve removes it, which is cheaper than a done callback
 
     async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
         try:
             response = None
             try:
-                response = await run_handler(entry, request, cntl, self._thread_pool()
-                                             if not entry.is_async else None)
+                if entry.is_async:
+                    response = await entry.handler(request, cntl)
+                else:
+                    response = await conn.loop.run_in_executor(self._thread_pool(), entry.handler,
+                                                               request, cntl)
             except RpcError as e:
                 cntl.set_failed(e.code, e.text)
             except Exception as e:
@@ -230,6 +239,7 @@ class Server:
                 bufs = error_response(conn, meta, cntl.error_code, cntl.error_text, self._tag(conn))
             conn.write(bufs, buffers_size(bufs))
         finally:
+            self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1
             if self.concurrency == 0:
                 self._idle_event.set()

@@ -217,7 +217,10 @@ class FramedConnection(asyncio.BufferedProtocol):
 
 
 def buffers_size(buffers: list) -> int:
-    return sum(len(b) if type(b) is bytes else b.nbytes for b in buffers)
+    n = 0
+    for b in buffers:  # a loop, not sum(genexpr): no generator per message
+        n += len(b) if type(b) is bytes else b.nbytes
+    return n
 
 
 def _fmt(addr) -> str:
