@@ -16,10 +16,12 @@ from .errors import EINTERNAL, describe
 class Controller:
     """Settings of one call (client) or the view of one request (server).
 
-    Client side: set `log_id`, `timeout_ms`, `request_compress_type`, `request_checksum`,
+    Client side: set `log_id`, `timeout_ms`, `max_retry`, `backup_request_ms`,
+    `connection_type`, `idempotent`, `request_compress_type`, `request_checksum`,
     `request_attachment`, `request_user_fields`, `request_id`; after the call read
     `response_attachment`, `response_user_fields`, `failed`, `error_code`, `error_text`,
-    `latency_us`, `remote_side`.
+    `latency_us`, `remote_side` (of the attempt that ended the call), `retried_count`,
+    `has_backup_request` and `attempts`.
 
     Server side: the request's fields are filled in (`log_id`, `timeout_ms` is the deadline
     the client propagated or None, `request_attachment`, `request_user_fields`,
@@ -57,6 +59,11 @@ class Controller:
     method_name = ""
     correlation_id = 0
     _close_reason: str | None = None
+    # Client-side call settings that override the channel's (None: the channel's).
+    idempotent: bool | None = None
+    backup_request_ms: int | None = None
+    connection_type: str | None = None
+    _attempts: list | None = None
 
     def __init__(self, *, log_id: int | None = None, timeout_ms: int | None = None,
                  request_id: str | None = None, max_retry: int | None = None,
@@ -107,6 +114,17 @@ class Controller:
         self._response_user_fields = dict(value)
 
     @property
+    def attempts(self) -> list:
+        """One `Attempt` per request sent or tried by the last call: server, correlation id,
+        error code (0: it answered successfully), whether it was the backup request."""
+        if self._attempts is not None:
+            return self._attempts
+        if self.remote_side and not self.error_code:  # one attempt, which succeeded
+            from .client.call import AttemptInfo
+            return [AttemptInfo(self.remote_side, self.correlation_id, 0, False)]
+        return []
+
+    @property
     def failed(self) -> bool:
         return self.error_code != 0
 
@@ -127,7 +145,8 @@ class Controller:
     def reset_result(self) -> None:
         """Forget the result of a previous call made with this controller."""
         d = self.__dict__
-        for name in ("error_code", "error_text", "response_attachment", "_response_user_fields"):
+        for name in ("error_code", "error_text", "response_attachment", "_response_user_fields",
+                     "retried_count", "has_backup_request", "_attempts"):
             d.pop(name, None)
 
     def __repr__(self) -> str:

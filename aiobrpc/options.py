@@ -27,17 +27,53 @@ class ChannelOptions:
     auth: Any = None  # an object with generate_credential() -> bytes (may be async)
     use_full_service_name: bool = True  # brpc's -baidu_protocol_use_fullname
     deliver_timeout_ms: bool = False  # brpc's -baidu_std_protocol_deliver_timeout_ms
+    retry_policy: Any = None  # a client.retry.RetryPolicy; None: brpc's default set, no backoff
+    # Token bucket shared by the channel's calls (gRPC A6): retries stop while most attempts
+    # fail, so a dead cluster does not get max_retry+1 times the load. None: no throttle.
+    retry_throttle: Any = field(default_factory=lambda: _default_throttle())
+    backup_request_policy: Any = None  # a client.backup.BackupRequestPolicy; wins over backup_request_ms
+    # Methods ("package.Service/Method", or "package.Service" for all of its methods) whose
+    # work must not be repeated: never retried once the request may have reached the server,
+    # and never given a backup request. Controller.idempotent overrides per call.
+    non_idempotent_methods: frozenset = frozenset()
+    enable_circuit_breaker: bool = False
+    health_check_interval_s: float = 3.0  # brpc's -health_check_interval
+    health_check_timeout_ms: int = 500
+    max_connection_pool_size: int = 100  # idle pooled connections kept per server
+    pool_idle_timeout_s: float = 30.0  # brpc's -idle_timeout_second for pooled connections
 
     def __post_init__(self) -> None:
         _check_ms("timeout_ms", self.timeout_ms)
         _check_ms("connect_timeout_ms", self.connect_timeout_ms)
         _check_ms("backup_request_ms", self.backup_request_ms)
+        _check_ms("health_check_timeout_ms", self.health_check_timeout_ms)
         if not isinstance(self.max_retry, int) or self.max_retry < 0:
             raise ValueError(f"max_retry must be an int >= 0, got {self.max_retry!r}")
+        if self.max_retry > 1000:  # brpc's cap per call
+            raise ValueError(f"max_retry must be <= 1000, got {self.max_retry}")
         if self.connection_type not in CONNECTION_TYPES:
             raise ValueError(f"connection_type must be one of {CONNECTION_TYPES}, got {self.connection_type!r}")
         for name in ("max_body_size", "max_decompressed_size", "max_unwritten_bytes"):
             _check_size(name, getattr(self, name))
+        for name in ("health_check_interval_s", "pool_idle_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if not isinstance(self.max_connection_pool_size, int) or self.max_connection_pool_size < 0:
+            raise ValueError(f"max_connection_pool_size must be an int >= 0, got {self.max_connection_pool_size!r}")
+        if isinstance(self.non_idempotent_methods, str):
+            raise ValueError("non_idempotent_methods must be a collection of names, not one str")
+        self.non_idempotent_methods = frozenset(self.non_idempotent_methods)
+        for name, want in (("retry_policy", "do_retry"), ("backup_request_policy", "backup_request_ms"),
+                           ("retry_throttle", "allow_retry")):
+            v = getattr(self, name)
+            if v is not None and not hasattr(v, want):
+                raise TypeError(f"{name} must have a {want}() method, got {type(v).__name__}")
+
+
+def _default_throttle():
+    from .client.retry import RetryThrottle
+    return RetryThrottle()
 
 
 @dataclass

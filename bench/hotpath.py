@@ -198,9 +198,11 @@ async def client_side(calls: int, concurrency: int) -> float:
             scheduled = True
             loop.call_soon(answer)
 
-    conn = ClientConnection(ch.stats, 1 << 26, 1 << 26, ch._connection_closed)
+    pool = next(iter(ch.pools.values()))
+    conn = ClientConnection(ch.stats, 1 << 26, 1 << 26, pool._connection_lost)
     conn.connection_made(FakeTransport(on_write))
-    ch._conn = conn
+    pool.single = conn
+    pool.connections.add(conn)
     req = echo_pb2.EchoRequest(message="x" * 16)
     per_worker = calls // concurrency
 

@@ -1,9 +1,11 @@
-"""Channel: calls to one brpc server over one multiplexed connection (client.md §1, §3.1).
+"""Channel: calls to one brpc server, or to a cluster through a naming service and a load
+balancer (client.md §1-§3, §5-§7).
 
-The connection is made on the first call and remade on the next call after it is lost. Each
-call is one future in the pending map of the connection, completed from the protocol
-callback; its deadline is one timer handle covering the whole call (connect, retries
-included). A lost connection fails every call pending on it at once.
+`Channel("host:port")` talks to one server; `Channel("list://h1:p1,h2:p2", load_balancer="rr")`
+to a cluster. The connection type (single / pooled / short), the deadline covering every
+attempt, retries, the backup request and health checks are the channel options'
+(`ChannelOptions`), overridable per call in the `Controller`. The life of a call is in
+client/call.py, connections and server health in client/pool.py.
 
 >>> channel = Channel("127.0.0.1:8000", ChannelOptions(timeout_ms=500))  # doctest: +SKIP
 >>> await Stub(channel, echo_pb2.DESCRIPTOR.services_by_name["EchoService"]).Echo(req)  # doctest: +SKIP
@@ -12,25 +14,22 @@ included). A lost connection fails every call pending on it at once.
 from __future__ import annotations
 
 import asyncio
-import errno
-import inspect
 import logging
-import os
-import time
 
 from google.protobuf.message import EncodeError
 
-from .. import _fast
 from ..controller import Controller
-from ..errors import (DEFAULT_RETRYABLE, ECONNREFUSED, EFAILEDSOCKET, EOVERCROWDED, EREQUEST,
-                      ERESPONSE, ERPCTIMEDOUT, ETIMEDOUT, RemoteProtocolError, RpcError)
+from ..errors import EHOSTDOWN, ENODATA, EREQUEST, RpcError
 from ..options import ChannelOptions
-from ..protocol import baidu_std, content
-from .connection import ClientConnection, ClientStats
+from ..protocol import content
+from .call import Call
+from .connection import ClientStats
+from .lb import create_load_balancer
+from .naming import ServerNode, create_naming_service, is_naming_url
+from .naming.list import ListNamingService
+from .pool import ServerPool
 
 log = logging.getLogger(__name__)
-
-_EMPTY = b""
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -46,85 +45,121 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class Channel:
-    """A client of one server at `address` ("host:port")."""
+    """A client of one server ("host:port") or of a cluster (a naming-service URL plus
+    `load_balancer`, e.g. "list://10.0.0.1:8000,10.0.0.2:8000" and "rr")."""
 
-    def __init__(self, address: str, options: ChannelOptions | None = None) -> None:
+    def __init__(self, address: str, options: ChannelOptions | None = None, *,
+                 load_balancer: str | None = None) -> None:
         if options is None:
             options = ChannelOptions()
         elif not isinstance(options, ChannelOptions):
             raise TypeError(f"options must be a ChannelOptions, got {type(options).__name__}")
-        if options.connection_type != "single" or options.backup_request_ms >= 0:
-            # pooled/short connections and backup requests are not built yet: refuse them
-            # rather than silently behaving as "single" without backups.
-            raise ValueError("this version supports connection_type='single' without "
-                             f"backup_request_ms; got connection_type={options.connection_type!r}, "
-                             f"backup_request_ms={options.backup_request_ms}")
-        self.host, self.port = parse_address(address)
-        self.address = f"{self.host}:{self.port}" if ":" not in self.host else f"[{self.host}]:{self.port}"
         self.options = options
         self.stats = ClientStats()
-        self._conn: ClientConnection | None = None
-        self._connecting: asyncio.Future | None = None
+        self.pools: dict[ServerNode, ServerPool] = {}
+        self.lb = None
+        self.naming = None
+        self._single: ServerPool | None = None
+        self._watch: asyncio.Task | None = None
+        self._first_list: asyncio.Future | None = None
         self._closed = False
+        if isinstance(address, str) and is_naming_url(address):
+            if not load_balancer:
+                raise ValueError(f"{address!r} is a naming service URL: give load_balancer= too "
+                                 "(e.g. 'rr'), or pass a plain 'host:port'")
+            self.naming = create_naming_service(address)
+            self.lb = create_load_balancer(load_balancer)
+            self.address = address
+            if isinstance(self.naming, ListNamingService):
+                self._set_servers(list(self.naming.servers))  # static: known at once
+        else:
+            if load_balancer:
+                raise ValueError(f"load_balancer={load_balancer!r} needs a naming service URL "
+                                 f"(like 'list://host:port,...'), got {address!r}")
+            host, port = parse_address(address)
+            node = ServerNode(host, port)
+            self._single = self.pools[node] = ServerPool(node, options, self.stats)
+            self.address = node.address
+        self.host, self.port = (self._single.host, self._single.port) if self._single else ("", 0)
 
-    # -- connections -------------------------------------------------------------------------
-    async def _connection(self, loop, deadline: float | None) -> ClientConnection:
-        conn = self._conn
-        if conn is not None and not conn.is_closed:
-            return conn
-        if self._closed:
-            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
-        if self._connecting is None:
-            self._connecting = loop.create_task(self._connect(loop))
-        task = self._connecting
-        if deadline is None:
-            return await asyncio.shield(task)
-        remaining = deadline - loop.time()
+    # -- servers -----------------------------------------------------------------------------
+    def _set_servers(self, servers: list) -> None:
+        """A new server list from the naming service: diffed by (address, tag)."""
+        wanted = dict.fromkeys(servers)
+        for node in list(self.pools):
+            if node not in wanted:
+                self.pools.pop(node).retire()
+        for node in wanted:
+            if node not in self.pools:
+                self.pools[node] = ServerPool(node, self.options, self.stats)
+        self.lb.set_servers(list(wanted))
+        if self._first_list is not None and not self._first_list.done():
+            self._first_list.set_result(None)
+
+    async def _watch_naming(self) -> None:
         try:
-            return await asyncio.wait_for(asyncio.shield(task), max(remaining, 0))
-        except asyncio.TimeoutError:
-            raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
+            async for servers in self.naming.watch():
+                self._set_servers(servers)
+        except Exception as e:  # a naming service failing keeps the last list
+            log.warning("naming service %s failed: %r; keeping %d servers", self.address, e, len(self.pools))
 
-    async def _connect(self, loop) -> ClientConnection:
-        opts = self.options
-        try:
-            connect = loop.create_connection(
-                lambda: ClientConnection(self.stats, opts.max_body_size, opts.max_unwritten_bytes,
-                                         self._connection_closed),
-                self.host, self.port)
-            if opts.connect_timeout_ms >= 0:
-                _, conn = await asyncio.wait_for(connect, opts.connect_timeout_ms / 1000)
-            else:
-                _, conn = await connect
-        except asyncio.TimeoutError:
-            raise RpcError(ETIMEDOUT, f"Fail to connect {self.address}: timed out after "
-                                      f"connect_timeout_ms={opts.connect_timeout_ms}") from None
-        except OSError as e:
-            code = e.errno if e.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
-                                          errno.ECONNRESET) else EFAILEDSOCKET
-            if code == errno.ECONNREFUSED:
-                code = ECONNREFUSED
-            reason = os.strerror(e.errno) if e.errno else str(e)
-            raise RpcError(code, f"Fail to connect {self.address}: {reason}") from None
-        finally:
-            self._connecting = None
-        if self._closed:
-            conn.close()
-            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
-        self._conn = conn
-        return conn
+    def select_server(self, excluded) -> ServerPool:
+        """The server of the next attempt; RpcError(EHOSTDOWN/ENODATA) when there is none."""
+        pool = self._single
+        if pool is not None:
+            if pool.available:
+                return pool
+            raise RpcError(EHOSTDOWN, f"Not connected to {pool.address} yet: the server is "
+                                      f"{'logged off' if pool.logged_off else 'down'}, health check running")
+        pools = self.pools
+        if not pools:
+            raise RpcError(ENODATA, f"Fail to select server: {self.address} lists no server")
+        node = self.lb.select(excluded=excluded, available=lambda n: pools[n].available)
+        return pools[node]
 
-    def _connection_closed(self, conn: ClientConnection) -> None:
-        if self._conn is conn:
-            self._conn = None
+    def is_idempotent(self, service_name: str, method_name: str) -> bool:
+        names = self.options.non_idempotent_methods
+        return not names or (service_name not in names and f"{service_name}/{method_name}" not in names)
 
+    async def connect(self) -> None:
+        """Connect to every server now instead of on the first call (single connections;
+        pooled and short ones are made per call). Raises RpcError when one fails."""
+        loop = asyncio.get_running_loop()
+        for pool in list(self.pools.values()):
+            if pool.ready("single") is None:
+                await pool.connect(loop, None, "single")
+
+    def server_states(self) -> dict[str, str]:
+        """"up", "down" (health check running) or "logged off", by server address."""
+        return {str(node): ("up" if p.available else "logged off" if p.logged_off else "down")
+                for node, p in self.pools.items()}
+
+    # -- gauges ------------------------------------------------------------------------------
+    def pending_calls(self) -> int:
+        """Requests waiting for their reply, over every connection of the channel."""
+        return sum(len(c.pending) for p in self.pools.values() for c in p.connections)
+
+    def connection_count(self) -> int:
+        return sum(len(p.connections) for p in self.pools.values())
+
+    @property
+    def _conn(self):
+        """The single connection of a one-server channel (tests and tools), or None."""
+        return self._single.single if self._single is not None else None
+
+    # -- closing -----------------------------------------------------------------------------
     async def close(self) -> None:
-        """Close the connection; calls in flight fail with EFAILEDSOCKET."""
+        """Close every connection; calls in flight fail with EFAILEDSOCKET."""
         self._closed = True
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.abort(RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed"))
-            await asyncio.sleep(0)
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
+        if self.naming is not None:
+            await self.naming.close()
+        for pool in list(self.pools.values()):
+            await pool.close()
+        await asyncio.sleep(0)
 
     async def __aenter__(self) -> Channel:
         return self
@@ -141,142 +176,41 @@ class Channel:
         """
         if cntl is None:
             cntl = Controller()
-        conn = self._conn
-        # The connection's loop when there is one: get_running_loop() costs a getpid() on 3.11.
-        loop = conn.loop if conn is not None and not conn.is_closed else asyncio.get_running_loop()
-        opts = self.options
-        start = loop.time()
-        start_ns = time.perf_counter_ns()
-        timeout_ms = opts.timeout_ms if cntl.timeout_ms is None else cntl.timeout_ms
-        deadline = None if timeout_ms < 0 else start + timeout_ms / 1000
-        max_retry = opts.max_retry if cntl.max_retry is None else cntl.max_retry
+        else:
+            cntl.reset_result()
+        loop = asyncio.get_running_loop()
         cntl.service_name = service_name
         cntl.method_name = method_name
-        cntl.reset_result()
         try:
-            try:
-                serialized = content.serialize(request, cntl.request_content_type)
-            except (EncodeError, ValueError, TypeError) as e:
-                raise RpcError(EREQUEST, f"Fail to serialize request: {e}") from None
-            attempt = 0
-            while True:
-                try:
-                    return await self._attempt(loop, service_name, method_name, serialized,
-                                               response_class, cntl, deadline, timeout_ms)
-                except RpcError as e:
-                    if (e.code not in DEFAULT_RETRYABLE or attempt >= max_retry
-                            or (deadline is not None and loop.time() >= deadline)):
-                        raise
-                    attempt += 1
-                    cntl.retried_count = attempt
-        except RpcError as e:
-            cntl.error_code = e.code
-            cntl.error_text = e.text
-            raise
-        finally:
-            cntl.latency_us = (time.perf_counter_ns() - start_ns) // 1000
-
-    async def _attempt(self, loop, service_name, method_name, serialized, response_class,
-                       cntl: Controller, deadline, timeout_ms):
-        opts = self.options
-        conn = self._conn
-        if conn is None or conn.is_closed:
-            conn = await self._connection(loop, deadline)
-        if not conn.writable():
-            raise RpcError(EOVERCROWDED, f"{conn.unwritten_bytes()} bytes are waiting to be written to "
-                                         f"{self.address} (max_unwritten_bytes={opts.max_unwritten_bytes})")
-        meta = _fast.RpcMeta()
-        meta.has_request = True
-        meta.service_name = service_name if opts.use_full_service_name else service_name.rpartition(".")[2]
-        meta.method_name = method_name
-        if cntl.log_id is not None:
-            meta.log_id = cntl.log_id
-        if cntl.request_id:
-            meta.request_id = cntl.request_id
-        if opts.deliver_timeout_ms and deadline is not None:
-            meta.timeout_ms = max(1, int((deadline - loop.time()) * 1000))
-        cid = conn._next_cid
-        conn._next_cid = cid + 1
-        meta.correlation_id = cid
-        if conn.needs_credential and opts.auth is not None:
-            conn.needs_credential = False
-            meta.authentication_data = await _credential(opts.auth, self.address)
-        fields = cntl._request_user_fields
-        if fields:
-            meta.user_fields = list(fields.items())
-        meta.content_type = cntl.request_content_type
-        attachment = cntl.request_attachment
-        if cntl.request_compress_type or cntl.request_checksum:
-            data = baidu_std.encode_data(meta, serialized, cntl.request_compress_type, attachment,
-                                         cntl.request_checksum, cntl.request_checksum_with_attachment)
-        else:
-            data = serialized
-            meta.compress_type = 0
-        if meta.checksum_type is None:
-            meta.checksum_type = 0
-            meta.checksum_value = _EMPTY
-        bufs = baidu_std.pack(meta, data, attachment)
-        nbytes = len(bufs[0]) + len(data) + (meta.attachment_size or 0)
-        fut = loop.create_future()
-        conn.pending[cid] = fut
-        conn.write(bufs, nbytes)
-        cntl.remote_side = conn.peer
-        cntl.local_side = conn.local
-        cntl.correlation_id = cid
-        timer = None
-        if deadline is not None:
-            timer = loop.call_at(deadline, _expire, self.stats, conn, cid, fut, timeout_ms, self.address)
+            serialized = content.serialize(request, cntl.request_content_type)
+        except (EncodeError, ValueError, TypeError) as e:
+            cntl.error_code, cntl.error_text = EREQUEST, f"Fail to serialize request: {e}"
+            raise RpcError(EREQUEST, cntl.error_text) from None
+        if self._closed:
+            cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
+            raise RpcError(EHOSTDOWN, cntl.error_text)
+        if self.lb is not None and not self.pools and (self._first_list is None or not self._first_list.done()):
+            await self._wait_first_list(loop, cntl)
+        call = Call(self, loop, service_name, method_name, serialized, response_class, cntl)
+        call.start()
         try:
-            ev = await fut
+            return await call.fut
         except asyncio.CancelledError:
-            conn.pending.pop(cid, None)
+            call.cancel()
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
-            # The failed future holds the exception whose traceback holds this frame: drop
-            # it so a failed call leaves no cycle keeping the caller's objects alive.
-            fut = None
-        return _finish(ev, response_class, cntl, opts.max_decompressed_size)
+            call = None  # the failed future's traceback holds this frame: no cycle to the call
+
+    async def _wait_first_list(self, loop, cntl: Controller) -> None:
+        """A dynamic naming service: start watching, and wait (bounded) for its first list."""
+        if self._first_list is None:
+            self._first_list = loop.create_future()
+            self._watch = loop.create_task(self._watch_naming())
+        timeout_ms = self.options.timeout_ms if cntl.timeout_ms is None else cntl.timeout_ms
+        try:
+            await asyncio.wait_for(asyncio.shield(self._first_list), None if timeout_ms < 0 else timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            pass  # the call fails with ENODATA
 
     def __repr__(self) -> str:
-        return f"<Channel {self.address} {self.options.connection_type}>"
-
-
-def _expire(stats, conn, cid, fut, timeout_ms, address) -> None:
-    conn.pending.pop(cid, None)
-    if not fut.done():
-        stats.timeouts += 1
-        fut.set_exception(RpcError(ERPCTIMEDOUT, f"Reached timeout={timeout_ms}ms @{address}"))
-
-
-def _finish(ev, response_class, cntl: Controller, max_decompressed_size: int):
-    meta = ev.meta
-    code = meta.error_code
-    if code:
-        raise RpcError(code, meta.error_text or "")
-    if ev.error is not None:
-        raise RpcError(ERESPONSE, str(ev.error))
-    try:
-        data = baidu_std.decode_data(meta, ev.data, ev.attachment, max_decompressed_size, ERESPONSE)
-        response = content.parse(response_class, data, meta.content_type or 0)
-    except RemoteProtocolError as e:
-        raise RpcError(ERESPONSE, f"Fail to parse response: {e}") from None
-    cntl.response_attachment = ev.attachment
-    if meta.user_fields:
-        cntl.response_user_fields = dict(meta.user_fields)
-    return response
-
-
-async def _credential(auth, address: str) -> bytes:
-    try:
-        cred = auth.generate_credential()
-        if inspect.isawaitable(cred):
-            cred = await cred
-    except Exception as e:
-        raise RpcError(EREQUEST, f"Fail to generate credential for {address}: {e!r}") from None
-    if isinstance(cred, str):
-        cred = cred.encode()
-    if not isinstance(cred, (bytes, bytearray)):
-        raise RpcError(EREQUEST, f"generate_credential() must return bytes, got {type(cred).__name__}")
-    return bytes(cred)
+        return f"<Channel {self.address} {self.options.connection_type} {len(self.pools)} servers>"

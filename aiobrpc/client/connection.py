@@ -18,24 +18,33 @@ class ClientStats:
     """Counters a channel keeps; plain integers updated on the hot path."""
 
     __slots__ = ("late_or_unknown_responses", "timeouts", "connections_made", "connections_lost",
-                 "stream_frames_dropped")
+                 "stream_frames_dropped", "retries", "backup_requests", "backup_losers",
+                 "servers_marked_down", "servers_revived", "health_checks", "breaker_trips",
+                 "retries_throttled", "cancelled")
 
     def __init__(self) -> None:
-        self.late_or_unknown_responses = 0
-        self.timeouts = 0
-        self.connections_made = 0
-        self.connections_lost = 0
-        self.stream_frames_dropped = 0
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 class ClientConnection(FramedConnection):
-    """One TCP connection of a channel. `pending` maps correlation id -> Future of the reply."""
+    """One TCP connection of a channel.
+
+    `pending` maps correlation id -> the attempt waiting for that reply; an attempt has
+    `on_response(event)` and `on_failed(RpcError)`, called exactly once by this connection
+    unless the attempt removed itself first.
+    """
 
     def __init__(self, stats: ClientStats, max_body_size: int, max_unwritten_bytes: int,
-                 on_closed=None) -> None:
+                 on_closed=None, ctype: str = "single") -> None:
         super().__init__(CLIENT, max_body_size, max_unwritten_bytes)
         self.pending: dict = {}
         self.stats = stats
+        self.ctype = ctype
+        self.credential: bytes | None = None  # sent with the first request (auth)
         self.needs_credential = True
         self._next_cid = 1
         self._on_closed = on_closed
@@ -52,13 +61,13 @@ class ClientConnection(FramedConnection):
             # No call of this client opens streams, so streams offered in a response are
             # refused with an RST each, as brpc does for a stream it did not ask for.
             self._reset_offered_streams(ev.meta.stream_settings)
-        fut = self.pending.pop(ev.meta.correlation_id, None)
-        if fut is None or fut.done():
+        attempt = self.pending.pop(ev.meta.correlation_id, None)
+        if attempt is None:
             self.stats.late_or_unknown_responses += 1
             _unknown_log(logging.DEBUG, "dropped a response with unknown or late correlation_id=%s from %s",
                          ev.meta.correlation_id, self.peer)
             return
-        fut.set_result(ev)
+        attempt.on_response(ev)
 
     def _reset_offered_streams(self, raw_settings) -> None:
         try:
@@ -72,18 +81,20 @@ class ClientConnection(FramedConnection):
 
     def closed(self, exc: BaseException | None) -> None:
         self.stats.connections_lost += 1
-        pending, self.pending = self.pending, {}
-        if pending:
-            if exc is None:
-                err = RpcError(EEOF, f"Got EOF of {self.peer}")
-            elif isinstance(exc, RemoteProtocolError):
-                err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc}")
-            elif isinstance(exc, RpcError):
-                err = exc
-            else:
-                err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc!r}")
-            for fut in pending.values():
-                if not fut.done():
-                    fut.set_exception(RpcError(err.code, err.text))
+        # The owner learns first (it marks the server failed), so that attempts retried from
+        # the failures below already see the server down.
         if self._on_closed is not None:
-            self._on_closed(self)
+            self._on_closed(self, exc)
+        pending, self.pending = self.pending, {}
+        if not pending:
+            return
+        if exc is None:
+            err = RpcError(EEOF, f"Got EOF of {self.peer}")
+        elif isinstance(exc, RemoteProtocolError):
+            err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc}")
+        elif isinstance(exc, RpcError):
+            err = exc
+        else:
+            err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc!r}")
+        for attempt in pending.values():
+            attempt.on_failed(RpcError(err.code, err.text))

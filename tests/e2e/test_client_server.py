@@ -13,6 +13,7 @@ import pytest
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
+from tests.helpers.health import wait_up
 from tests.helpers.interop_server import SERVICE, InteropEcho
 
 Req = interop_pb2.EchoRequest
@@ -231,18 +232,31 @@ async def test_lost_connection_fails_pending_calls_then_reconnects(interop):
     assert loop.time() - t0 < 0.5
     assert ei.value.code == errors.EEOF
     assert all(isinstance(r, aiobrpc.RpcError) and r.code == errors.EEOF for r in results)
+    # The lost connection marked the server failed: calls fail fast until the health check
+    # (100 ms after the first failure) connects again, then the channel reconnects.
+    assert channel.server_states() == {server.address: "down"}
+    waited = await wait_up(channel)
+    assert waited < 1.0
     assert (await stub.Echo(Req(message="back"))).message == "back"
-    assert channel.stats.connections_made == 2
+    assert channel.stats.connections_made == 2 and channel.stats.servers_revived == 1
     await channel.close()
 
 
-async def test_default_retry_recovers_from_eof(interop):
+async def test_eof_marks_the_only_server_down_until_revived(interop):
+    """brpc's behaviour (client.md §3.2): after an EOF the retries of a one-server channel
+    find the server down and fail at once with EHOSTDOWN; the health check revives it."""
     server, servicer = interop
     channel, stub = stub_for(server, max_retry=3)
     await stub.Echo(Req(message="warm"))
     server_conn = next(iter(server.connections))
     server_conn.close()
     await asyncio.sleep(0.05)
+    cntl = aiobrpc.Controller()
+    with pytest.raises(aiobrpc.RpcError) as ei:
+        await stub.Echo(Req(message="during"), cntl)
+    assert ei.value.code == errors.EHOSTDOWN and cntl.retried_count == 3
+    assert ei.value.text.count("[R") == 3 and cntl.latency_us < 50_000
+    await wait_up(channel)
     assert (await stub.Echo(Req(message="after"))).message == "after"
     await channel.close()
 

@@ -47,7 +47,8 @@ async def test_client_writes_cxx_bytes(name):
         opts = aiobrpc.ChannelOptions(timeout_ms=200, max_retry=0,
                                       auth=_Cred() if case.get("auth") else None)
         channel = aiobrpc.Channel(f"127.0.0.1:{peer.port}", opts)
-        conn = await channel._connection(asyncio.get_running_loop(), None)
+        await channel.connect()
+        conn = channel._conn
         conn._next_cid = fr["meta_decoded"]["correlation_id"]
         cntl = aiobrpc.Controller(log_id=case.get("log_id"), max_retry=0)
         payload = bytes.fromhex(fr["payload_hex"])

@@ -12,6 +12,7 @@ import pytest_asyncio
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
+from tests.helpers.health import wait_up
 from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.interop_server import SERVICE, InteropEcho
 
@@ -386,10 +387,12 @@ async def test_rpc_cut_after_the_request_reached_the_server(brpc_proxy, mode, co
     assert isinstance(err, aiobrpc.RpcError) and err.code in codes, err
     assert elapsed < 1.0  # promptly, not at the deadline
     assert len(servicer.executed) == 1
-    # E5: the next call reconnects
+    # E5: the server is marked down, the health check revives it, the next call reconnects
     proxy.cut_after = None
+    assert channel.server_states() == {proxy.address: "down"}
+    await wait_up(channel)
     resp, _ = await timed_call(stub)
-    assert resp.message == "m" and proxy.connections_accepted == 2
+    assert resp.message == "m" and channel.stats.connections_made == 2
     await channel.close()
 
 
@@ -427,7 +430,10 @@ async def test_rpc_refused_then_served_again(brpc_proxy):
     err, elapsed = await timed_call(stub)
     assert isinstance(err, aiobrpc.RpcError) and err.code == errors.ECONNREFUSED, err
     assert elapsed < 0.5
+    err, elapsed = await timed_call(stub)  # marked down: fails fast until revived
+    assert isinstance(err, aiobrpc.RpcError) and err.code == errors.EHOSTDOWN and elapsed < 0.05, err
     await proxy.accept_again()
+    await wait_up(channel)
     resp, _ = await timed_call(stub)
     assert resp.message == "m"
     await channel.close()

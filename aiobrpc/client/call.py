@@ -1,0 +1,479 @@
+"""The life of one call (client.md §3): attempts, retries, the backup request, the deadline.
+
+A `Call` owns one future, the caller's, and completes it exactly once: with the response of
+the first attempt that succeeds, or with the error that ends the call (the deadline, a
+failure no retry may follow, cancellation). Attempts are issued synchronously when a
+connection is ready and from a connect task otherwise; every reply or connection failure
+comes back through `Attempt.on_response` / `Attempt.on_failed`, called by the connection
+from its protocol callback, so a whole call costs no task when its connection is up.
+
+Rules (client.md §3.1-§3.4, hostile_inputs.md D5-D10):
+* one deadline covers every attempt; ERPCTIMEDOUT, ECANCELED, EREQUEST... end the call;
+* a failed attempt is retried when the retry policy says so, `max_retry` is not used up,
+  the channel's retry throttle has tokens, and either the method is idempotent or the
+  request cannot have run (not sent, or refused by the server with ELIMIT/ELOGOFF/
+  EOVERCROWDED); the failed server is excluded from the next selections;
+* the backup request: when no reply came within the backup delay, a second attempt goes
+  (to another server when there is one); the first success wins, the loser is dropped and
+  counted; a failed original is ignored while the backup is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .. import _fast
+from ..controller import Controller
+from ..errors import (EBACKUPREQUEST, ECANCELED, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST,
+                      ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
+from ..protocol import baidu_std, content
+from .pool import SINGLE
+from .retry import NEVER_RETRIED, RetryPolicy, retry_allowed
+
+_EMPTY = b""
+_DEFAULT_RETRY_POLICY = RetryPolicy()
+_REFUSED_BY_SERVER = frozenset({ELIMIT, ELOGOFF, EOVERCROWDED})  # the handler did not run
+_MAX_EXCLUDED = 8
+_now_ns = time.perf_counter_ns
+
+
+class AttemptInfo:
+    """What one attempt of a call did, as `Controller.attempts` lists it."""
+
+    __slots__ = ("remote_side", "correlation_id", "error_code", "backup")
+
+    def __init__(self, remote_side: str, correlation_id: int, error_code: int | None, backup: bool) -> None:
+        self.remote_side = remote_side
+        self.correlation_id = correlation_id
+        self.error_code = error_code  # 0: succeeded; None: abandoned without a result
+        self.backup = backup
+
+    def __repr__(self) -> str:
+        what = "abandoned" if self.error_code is None else f"E{self.error_code}" if self.error_code else "ok"
+        return f"<Attempt {self.remote_side} cid={self.correlation_id} {what}{' backup' if self.backup else ''}>"
+
+
+class Attempt:
+    """One request sent (or about to be sent) for a call."""
+
+    __slots__ = ("call", "pool", "conn", "cid", "sent", "start_ns", "backup", "task", "done")
+
+    def __init__(self, call: Call, backup: bool) -> None:
+        self.call = call
+        self.pool = None
+        self.conn = None
+        self.cid = 0
+        self.sent = False
+        self.start_ns = _now_ns()
+        self.backup = backup
+        self.task = None
+        self.done = False
+
+    def on_response(self, ev) -> None:
+        self.call._ended(self, ev, None)
+
+    def on_failed(self, err: RpcError) -> None:
+        self.call._ended(self, None, err)
+
+
+class Call:
+    __slots__ = ("channel", "loop", "cntl", "service_name", "method_name", "serialized",
+                 "response_class", "fut", "deadline", "timeout_ms", "max_retry", "idempotent",
+                 "ctype", "retried", "current", "unfinished", "excluded", "timer",
+                 "backup_timer", "retry_handle", "backup_ms", "errors", "start_ns", "finished")
+
+    def __init__(self, channel, loop, service_name: str, method_name: str, serialized,
+                 response_class, cntl: Controller) -> None:
+        opts = channel.options
+        self.channel = channel
+        self.loop = loop
+        self.cntl = cntl
+        self.service_name = service_name
+        self.method_name = method_name
+        self.serialized = serialized
+        self.response_class = response_class
+        self.fut = loop.create_future()
+        self.start_ns = _now_ns()
+        timeout_ms = opts.timeout_ms if cntl.timeout_ms is None else cntl.timeout_ms
+        self.timeout_ms = timeout_ms
+        self.deadline = None if timeout_ms < 0 else loop.time() + timeout_ms / 1000
+        self.max_retry = opts.max_retry if cntl.max_retry is None else cntl.max_retry
+        idempotent = cntl.idempotent
+        if idempotent is None:
+            idempotent = channel.is_idempotent(service_name, method_name)
+        self.idempotent = idempotent
+        self.ctype = opts.connection_type if cntl.connection_type is None else cntl.connection_type
+        self.retried = 0
+        self.current: Attempt | None = None
+        self.unfinished: Attempt | None = None  # the original, once a backup was sent
+        self.excluded: list = []
+        self.timer = None
+        self.backup_timer = None
+        self.retry_handle = None
+        self.backup_ms = -1
+        self.errors: list | None = None  # (code, text) of every failed attempt
+        self.finished = False
+
+    # -- start -------------------------------------------------------------------------------
+    def start(self) -> None:
+        loop = self.loop
+        if self.deadline is not None:
+            self.timer = loop.call_at(self.deadline, self._timed_out)
+        opts = self.channel.options
+        # A backup repeats the work, so never for non-idempotent methods.
+        if self.idempotent and (opts.backup_request_ms >= 0 or opts.backup_request_policy is not None
+                                or self.cntl.backup_request_ms is not None):
+            ms = self._backup_delay_ms()
+            if ms >= 0 and (self.timeout_ms < 0 or ms < self.timeout_ms):
+                self.backup_ms = ms
+                self.backup_timer = loop.call_later(ms / 1000, self._backup_due)
+        self._issue(False)
+
+    def _backup_delay_ms(self) -> int:
+        ms = self.cntl.backup_request_ms
+        if ms is None:
+            ms = self.channel.options.backup_request_ms
+        policy = self.channel.options.backup_request_policy
+        if policy is not None:
+            chosen = policy.backup_request_ms(self.cntl)
+            if chosen != -1:  # -1: the channel's (or controller's) delay
+                ms = chosen if chosen >= 0 else -1
+        return ms
+
+    # -- attempts ----------------------------------------------------------------------------
+    def _issue(self, backup: bool = False) -> None:
+        self.retry_handle = None
+        if self.finished:
+            return
+        att = Attempt(self, backup)
+        self.current = att
+        try:
+            pool = self.channel.select_server(self.excluded)
+        except RpcError as e:
+            self._ended(att, None, e)
+            return
+        att.pool = pool
+        conn = pool.ready(self.ctype)
+        if conn is not None:
+            self._send(att, conn)
+        else:
+            att.task = self.loop.create_task(self._connect_then_send(att))
+
+    async def _connect_then_send(self, att: Attempt) -> None:
+        try:
+            conn = await att.pool.connect(self.loop, self.deadline, self.ctype)
+        except RpcError as e:
+            att.task = None
+            self._ended(att, None, e)
+            return
+        att.task = None
+        if att.done:  # abandoned meanwhile: the connection serves later calls
+            att.pool.release(conn, self.ctype, True)
+            return
+        self._send(att, conn)
+
+    def _send(self, att: Attempt, conn) -> None:
+        channel = self.channel
+        opts = channel.options
+        cntl = self.cntl
+        att.conn = conn
+        if not conn.writable():
+            self._ended(att, None, RpcError(
+                EOVERCROWDED, f"{conn.unwritten_bytes()} bytes are waiting to be written to {conn.peer} "
+                              f"(max_unwritten_bytes={opts.max_unwritten_bytes})"))
+            return
+        meta = _fast.RpcMeta()
+        meta.has_request = True
+        service_name = self.service_name
+        meta.service_name = service_name if opts.use_full_service_name else service_name.rpartition(".")[2]
+        meta.method_name = self.method_name
+        if cntl.log_id is not None:
+            meta.log_id = cntl.log_id
+        if cntl.request_id:
+            meta.request_id = cntl.request_id
+        if opts.deliver_timeout_ms and self.deadline is not None:
+            meta.timeout_ms = max(1, int((self.deadline - self.loop.time()) * 1000))
+        cid = conn._next_cid
+        conn._next_cid = cid + 1
+        meta.correlation_id = cid
+        if conn.needs_credential:
+            conn.needs_credential = False
+            if conn.credential is not None:
+                meta.authentication_data = conn.credential
+        fields = cntl._request_user_fields
+        if fields:
+            meta.user_fields = list(fields.items())
+        meta.content_type = cntl.request_content_type
+        attachment = cntl.request_attachment
+        data = self.serialized
+        try:
+            if cntl.request_compress_type or cntl.request_checksum:
+                data = baidu_std.encode_data(meta, data, cntl.request_compress_type, attachment,
+                                             cntl.request_checksum, cntl.request_checksum_with_attachment)
+            else:
+                meta.compress_type = 0
+            if meta.checksum_type is None:
+                meta.checksum_type = 0
+                meta.checksum_value = _EMPTY
+            bufs = baidu_std.pack(meta, data, attachment)
+        except (LocalProtocolError, ValueError, TypeError) as e:
+            self._ended(att, None, RpcError(EREQUEST, f"Fail to pack request: {e}"))
+            return
+        att.cid = cid
+        conn.pending[cid] = att
+        att.sent = True
+        conn.write(bufs, len(bufs[0]) + len(data) + (meta.attachment_size or 0))
+
+    # -- results -----------------------------------------------------------------------------
+    def _ended(self, att: Attempt, ev, err: RpcError | None) -> None:
+        """An attempt got its reply (`ev`) or failed (`err`); decide what the call does."""
+        if att.done:
+            return
+        att.done = True
+        pool = att.pool
+        conn = att.conn
+        if conn is not None and self.ctype != SINGLE:
+            pool.release(conn, self.ctype, ev is not None)
+        if ev is not None:
+            meta = ev.meta
+            code = meta.error_code or 0
+            if code == 0 and ev.error is not None:
+                code, text = ERESPONSE, str(ev.error)
+            else:
+                text = meta.error_text or ""
+        else:
+            code, text = err.code, err.text
+        if self.finished:
+            return  # a loser of the backup race, or an attempt abandoned at the deadline
+        response = None
+        if code == 0:
+            try:
+                response = _parse_response(ev, self.response_class, self.cntl,
+                                           self.channel.options.max_decompressed_size)
+            except RpcError as e:
+                code, text = e.code, e.text
+        if code or self.errors is not None or self.cntl.has_backup_request:
+            self._record(att, code)  # a lone successful attempt is described by the controller
+        if pool is not None:
+            lb = self.channel.lb
+            if lb is not None or pool.breaker is not None:
+                latency_us = (_now_ns() - att.start_ns) // 1000
+                if lb is not None:
+                    lb.feedback(pool.node, code, latency_us)
+                pool.feedback(code, latency_us)
+            if code == ELOGOFF and ev is not None:
+                pool.log_off()
+        throttle = self.channel.options.retry_throttle
+        if code == 0:
+            if throttle is not None:
+                throttle.on_success()
+            self._complete(att, response, None)
+            return
+        if throttle is not None:
+            throttle.on_failure()
+        errors = self.errors
+        if errors is None:
+            errors = self.errors = []
+        errors.append((code, text))
+        if att is not self.current:
+            return  # the original failed while its backup is pending: wait for the backup
+        if self._may_retry(att, code, ev is not None):
+            self._retry(att)
+            return
+        other = self.unfinished
+        if other is not None and not other.done:
+            # The backup failed for good, but the original may still answer in time.
+            self.current, self.unfinished = other, None
+            return
+        self._complete(att, None, RpcError(code, self._error_text()))
+
+    def _may_retry(self, att: Attempt, code: int, from_server: bool) -> bool:
+        if self.retried >= self.max_retry or code in NEVER_RETRIED:
+            return False
+        if self.deadline is not None and self.loop.time() >= self.deadline:
+            return False
+        if att.sent and not self.idempotent and not (from_server and code in _REFUSED_BY_SERVER):
+            return False  # the request may have run: never repeat non-idempotent work
+        cntl = self.cntl
+        cntl.error_code = code
+        policy = self.channel.options.retry_policy or _DEFAULT_RETRY_POLICY
+        try:
+            if not retry_allowed(policy, cntl):
+                return False
+        finally:
+            cntl.error_code = 0
+        throttle = self.channel.options.retry_throttle
+        if throttle is not None and not throttle.allow_retry():
+            self.channel.stats.retries_throttled += 1
+            return False
+        return True
+
+    def _retry(self, att: Attempt) -> None:
+        self._exclude(att)
+        self.retried += 1
+        self.channel.stats.retries += 1
+        remaining_ms = float("inf") if self.deadline is None else (self.deadline - self.loop.time()) * 1000
+        policy = self.channel.options.retry_policy or _DEFAULT_RETRY_POLICY
+        self.cntl.retried_count = self.retried
+        backoff_ms = policy.backoff_ms(self.cntl, remaining_ms)
+        if backoff_ms > 0 and backoff_ms < remaining_ms:
+            self.retry_handle = self.loop.call_later(backoff_ms / 1000, self._issue)
+        elif att.sent:
+            self._issue(False)
+        else:
+            # A failure found before sending may repeat at once (no server up): the next
+            # iteration issues the retry, so max_retry such failures never nest calls.
+            self.retry_handle = self.loop.call_soon(self._issue)
+
+    def _exclude(self, att: Attempt) -> None:
+        if att.pool is None:
+            return
+        excluded = self.excluded
+        excluded.append(att.pool.node)
+        if len(excluded) > min(self.max_retry, _MAX_EXCLUDED):
+            del excluded[0]
+
+    def _backup_due(self) -> None:
+        self.backup_timer = None
+        if self.finished or self.retry_handle is not None:
+            return  # a retry is already on its way
+        cur = self.current
+        if self.retried >= self.max_retry:
+            # brpc: with no retry left, the backup timer ends the call (client.md §3.3).
+            where = cur.pool.address if cur is not None and cur.pool is not None else self.channel.address
+            self._complete(None, None, RpcError(EBACKUPREQUEST, f"Reached backup timeout={self.backup_ms}ms @{where}"))
+            return
+        policy = self.channel.options.backup_request_policy
+        if policy is not None and not policy.do_backup(self.cntl):
+            return
+        if cur is not None:
+            self._exclude(cur)
+        self.unfinished = cur
+        self.retried += 1
+        self.cntl.retried_count = self.retried
+        self.cntl.has_backup_request = True
+        self.channel.stats.backup_requests += 1
+        self._issue(True)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.finished:
+            return
+        self.channel.stats.timeouts += 1
+        cur = self.current
+        where = cur.pool.address if cur is not None and cur.pool is not None else self.channel.address
+        self._complete(None, None, RpcError(ERPCTIMEDOUT, f"Reached timeout={self.timeout_ms}ms @{where}"))
+
+    def cancel(self) -> None:
+        """The caller stopped waiting (its task was cancelled): end the call as ECANCELED."""
+        if self.finished:
+            return
+        self.channel.stats.cancelled += 1
+        self._complete(None, None, RpcError(ECANCELED, "RPC was cancelled by the caller"))
+
+    # -- completion --------------------------------------------------------------------------
+    def _complete(self, att: Attempt | None, response, err: RpcError | None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        side = att if att is not None else self.current  # whose server the controller names
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.backup_timer is not None or self.retry_handle is not None or self.unfinished is not None:
+            self._stop_others(att, err)
+        elif self.current is not att and self.current is not None and not self.current.done:
+            self._abandon(self.current)
+        self.current = None
+        cntl = self.cntl
+        if side is not None:
+            if side.conn is not None:
+                cntl.remote_side = side.conn.peer
+                cntl.local_side = side.conn.local
+                cntl.correlation_id = side.cid
+            elif side.pool is not None:
+                cntl.remote_side = side.pool.address
+        cntl.retried_count = self.retried
+        cntl.latency_us = (_now_ns() - self.start_ns) // 1000
+        if err is not None:
+            cntl.error_code = err.code
+            cntl.error_text = err.text
+        policy = self.channel.options.backup_request_policy
+        if policy is not None:
+            policy.on_rpc_end(cntl)
+        fut = self.fut
+        if not fut.done():
+            if err is None:
+                fut.set_result(response)
+            else:
+                fut.set_exception(err)
+
+    def _stop_others(self, att: Attempt | None, err: RpcError | None) -> None:
+        for handle in (self.backup_timer, self.retry_handle):
+            if handle is not None:
+                handle.cancel()
+        self.backup_timer = self.retry_handle = None
+        for other in (self.current, self.unfinished):
+            if other is not None and other is not att and not other.done:
+                if err is None and other.sent:
+                    self.channel.stats.backup_losers += 1
+                self._abandon(other)
+        self.unfinished = None
+
+    def _abandon(self, att: Attempt) -> None:
+        """Stop waiting for `att`: its late reply is dropped (and counted) by its connection."""
+        att.done = True
+        if att.task is not None:
+            att.task.cancel()
+            att.task = None
+        conn = att.conn
+        if conn is not None:
+            conn.pending.pop(att.cid, None)
+            if self.ctype != SINGLE:
+                att.pool.release(conn, self.ctype, False)  # a reply is in flight: never reuse it
+        self._record(att, None)
+
+    def _record(self, att: Attempt, code: int | None) -> None:
+        conn = att.conn
+        info = AttemptInfo(conn.peer if conn is not None else (att.pool.address if att.pool else ""),
+                           att.cid, code, att.backup)
+        cntl = self.cntl
+        if cntl._attempts is None:
+            cntl._attempts = [info]
+        else:
+            cntl._attempts.append(info)
+
+    def _error_text(self) -> str:
+        """brpc's ErrorText: the first error, then ` [R<n>][E<code>]<text>` for each retry."""
+        errors = self.errors
+        if len(errors) == 1:
+            return errors[0][1]
+        parts = [f"[E{errors[0][0]}]{errors[0][1]}"]
+        for n, (code, text) in enumerate(errors[1:], 1):
+            parts.append(f" [R{n}][E{code}]{text}")
+        return "".join(parts)
+
+
+def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size: int):
+    meta = ev.meta
+    try:
+        data = baidu_std.decode_data(meta, ev.data, ev.attachment, max_decompressed_size, ERESPONSE)
+        response = content.parse(response_class, data, meta.content_type or 0)
+    except RemoteProtocolError as e:
+        raise RpcError(ERESPONSE, f"Fail to parse response: {e}") from None
+    cntl.response_attachment = ev.attachment
+    if meta.user_fields:
+        cntl.response_user_fields = dict(meta.user_fields)
+    return response
+
+
+async def run_call(channel, service_name: str, method_name: str, serialized, response_class,
+                   cntl: Controller, loop):
+    call = Call(channel, loop, service_name, method_name, serialized, response_class, cntl)
+    call.start()
+    try:
+        return await call.fut
+    except asyncio.CancelledError:
+        call.cancel()
+        raise

@@ -1,0 +1,305 @@
+"""The connections to one server and its health (client.md §2, §7).
+
+`ServerPool` gives a call a connection of the configured type:
+* single: one connection shared by every call, made on first use; concurrent callers wait
+  for the same connect;
+* pooled: a connection carries one call at a time and goes back to a bounded idle list when
+  its reply came; a connection left without its reply (timeout, cancel, backup loser) is
+  closed, never reused, since the late reply would answer the next call;
+* short: a new connection per attempt, closed when the attempt ends.
+
+It also keeps the server's health: a server is marked failed when its single connection
+breaks (any cause), when a pooled/short connect is refused or unreachable (or times out
+three times in a row), or when the circuit breaker trips. A failed server is unavailable to
+the load balancer (or fails calls fast with EHOSTDOWN when it is the channel's only server)
+until a health check connects to it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import inspect
+import logging
+import os
+
+from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, EREQUEST, ERPCTIMEDOUT,
+                      ETIMEDOUT, RpcError)
+from .circuit_breaker import CircuitBreaker
+from .connection import ClientConnection
+
+log = logging.getLogger(__name__)
+
+SINGLE, POOLED, SHORT = "single", "pooled", "short"
+_CONNECT_TIMEOUTS_AS_UNREACHABLE = 3  # brpc's -connect_timeout_as_unreachable
+_UNREACHABLE = (ECONNREFUSED, ENETUNREACH, EHOSTUNREACH)
+
+
+class ServerPool:
+    """Connections to `node` ("host:port" and tag) for one channel, and whether it is up."""
+
+    def __init__(self, node, options, stats) -> None:
+        self.node = node
+        self.host, self.port = node.host, node.port
+        self.address = node.address
+        self.options = options
+        self.stats = stats
+        self.available = True
+        self.logged_off = False
+        self.breaker = CircuitBreaker() if options.enable_circuit_breaker else None
+        # Without the circuit breaker option a breaker still times the isolations: every
+        # failure waits the same doubling duration before its first health check (§7.3).
+        self._isolation = self.breaker if self.breaker is not None else CircuitBreaker()
+        self.single: ClientConnection | None = None
+        self._connecting: asyncio.Task | None = None
+        self._idle: list[tuple[ClientConnection, float]] = []
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self.connections: set[ClientConnection] = set()
+        self._connect_timeouts = 0
+        self._health: asyncio.Task | None = None
+        self.closed = False
+
+    # -- getting a connection ----------------------------------------------------------------
+    def ready(self, ctype: str) -> ClientConnection | None:
+        """A connection usable right now without waiting, or None."""
+        if ctype == SINGLE:
+            conn = self.single
+            return conn if conn is not None and not conn.is_closed else None
+        if ctype == POOLED:
+            idle = self._idle
+            while idle:
+                conn, _ = idle.pop()
+                if not conn.is_closed:
+                    return conn
+        return None
+
+    async def connect(self, loop, deadline: float | None, ctype: str) -> ClientConnection:
+        """A new connection (single: the shared one), within connect_timeout_ms and `deadline`."""
+        if self.closed:
+            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
+        if ctype != SINGLE:
+            return await self._connect(loop, deadline, ctype)
+        if self._connecting is None:
+            self._connecting = loop.create_task(self._connect(loop, None, SINGLE))
+        task = self._connecting
+        if deadline is None:
+            return await asyncio.shield(task)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), max(deadline - loop.time(), 0))
+        except asyncio.TimeoutError:
+            raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
+
+    async def _connect(self, loop, deadline: float | None, ctype: str) -> ClientConnection:
+        opts = self.options
+        timeout = None if opts.connect_timeout_ms < 0 else opts.connect_timeout_ms / 1000
+        rpc_limited = False
+        if deadline is not None:
+            remaining = max(deadline - loop.time(), 0)
+            if timeout is None or remaining < timeout:
+                timeout, rpc_limited = remaining, True
+        try:
+            try:
+                _, conn = await asyncio.wait_for(loop.create_connection(
+                    lambda: ClientConnection(self.stats, opts.max_body_size, opts.max_unwritten_bytes,
+                                             self._connection_lost, ctype),
+                    self.host, self.port), timeout)
+            except asyncio.TimeoutError:
+                if rpc_limited:
+                    raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
+                raise RpcError(ETIMEDOUT, f"Fail to connect {self.address}: timed out after "
+                                          f"connect_timeout_ms={opts.connect_timeout_ms}") from None
+            except OSError as e:
+                code = {errno.ECONNREFUSED: ECONNREFUSED, errno.ENETUNREACH: ENETUNREACH,
+                        errno.EHOSTUNREACH: EHOSTUNREACH}.get(e.errno, EFAILEDSOCKET)
+                reason = os.strerror(e.errno) if e.errno else str(e)
+                raise RpcError(code, f"Fail to connect {self.address}: {reason}") from None
+            if opts.auth is not None:
+                try:
+                    conn.credential = await _credential(opts.auth, self.address)
+                except BaseException:
+                    conn.close()
+                    raise
+        except RpcError as e:
+            self._connect_failed(e.code, e.text, ctype)
+            raise
+        finally:
+            if ctype == SINGLE:
+                self._connecting = None
+        self._connect_timeouts = 0
+        if self.closed:
+            conn.close()
+            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
+        self.connections.add(conn)
+        if ctype == SINGLE:
+            self.single = conn
+        return conn
+
+    def _connect_failed(self, code: int, text: str, ctype: str) -> None:
+        if code == ERPCTIMEDOUT or code == EREQUEST:
+            return  # the call's own deadline or credential, not the server's fault
+        if ctype == SINGLE:
+            self.mark_failed(text)
+            return
+        if code == ETIMEDOUT:
+            self._connect_timeouts += 1
+            if self._connect_timeouts < _CONNECT_TIMEOUTS_AS_UNREACHABLE:
+                return
+            self._connect_timeouts = 0
+        elif code not in _UNREACHABLE:
+            return
+        self.mark_failed(text)
+
+    def release(self, conn: ClientConnection, ctype: str, reusable: bool) -> None:
+        """An attempt is over with `conn` (pooled/short). `reusable`: its reply was received."""
+        if ctype == SINGLE:
+            return
+        if (ctype == POOLED and reusable and not conn.is_closed and not self.closed
+                and len(self._idle) < self.options.max_connection_pool_size):
+            self._idle.append((conn, conn.loop.time()))
+            if self._idle_timer is None:
+                self._idle_timer = conn.loop.call_later(self.options.pool_idle_timeout_s, self._close_idle)
+            return
+        conn.close()
+
+    def _close_idle(self) -> None:
+        self._idle_timer = None
+        if not self._idle:
+            return
+        loop = self._idle[0][0].loop
+        limit = loop.time() - self.options.pool_idle_timeout_s
+        keep = []
+        for conn, since in self._idle:
+            if since <= limit:
+                conn.close()
+            else:
+                keep.append((conn, since))
+        self._idle = keep
+        if keep:
+            self._idle_timer = loop.call_later(self.options.pool_idle_timeout_s, self._close_idle)
+
+    def idle_count(self) -> int:
+        return len(self._idle)
+
+    def _connection_lost(self, conn: ClientConnection, exc) -> None:
+        self.connections.discard(conn)
+        if conn is self.single:
+            self.single = None
+            if not self.closed:
+                self.mark_failed(f"connection to {self.address} lost: {exc or 'EOF'}")
+
+    # -- health --------------------------------------------------------------------------------
+    def feedback(self, error_code: int, latency_us: int) -> None:
+        """One attempt ended (circuit breaker input)."""
+        breaker = self.breaker
+        if breaker is not None and not breaker.on_call_end(error_code, latency_us):
+            self.stats.breaker_trips += 1
+            self.mark_failed(f"circuit breaker of {self.address} isolated it "
+                             f"({breaker.isolated_times} times)")
+
+    def log_off(self) -> None:
+        """The server answered ELOGOFF: no new calls until it fails and is revived."""
+        self.logged_off = True
+        self.available = False
+
+    def mark_failed(self, why: str) -> None:
+        """Take the server out of use and start its health check (client.md §7.1, §7.2)."""
+        if self.closed:
+            return
+        was_available = self.available
+        self.available = False
+        breaker = self._isolation
+        breaker.mark_as_broken()
+        conn, self.single = self.single, None
+        if conn is not None and not conn.is_closed:
+            conn.abort(RpcError(EFAILEDSOCKET, f"Server {self.address} was marked failed: {why}"))
+        if self._health is None:
+            if was_available:
+                self.stats.servers_marked_down += 1
+                log.warning("server %s is marked failed (%s); health check in %d ms", self.address, why,
+                            breaker.isolation_duration_ms)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._health = loop.create_task(self._health_check(breaker.isolation_duration_ms / 1000))
+
+    async def _health_check(self, delay: float) -> None:
+        opts = self.options
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.sleep(delay)
+            # Checks start at the isolation delay and back off to health_check_interval_s, so
+            # a server that restarts quickly is back within a fraction of the interval.
+            wait = max(delay, 0.05)
+            while not self.closed:
+                self.stats.health_checks += 1
+                timeout = opts.health_check_timeout_ms / 1000 if opts.health_check_timeout_ms >= 0 else None
+                try:
+                    transport, _ = await asyncio.wait_for(
+                        loop.create_connection(asyncio.Protocol, self.host, self.port), timeout)
+                except (OSError, asyncio.TimeoutError):
+                    wait = min(wait * 2, opts.health_check_interval_s)
+                    await asyncio.sleep(wait)
+                    continue
+                transport.close()
+                self._revive()
+                return
+        finally:
+            self._health = None
+
+    def _revive(self) -> None:
+        self.available = True
+        self.logged_off = False
+        self.stats.servers_revived += 1
+        self._isolation.reset()
+        log.info("server %s is revived", self.address)
+
+    # -- closing -------------------------------------------------------------------------------
+    def retire(self) -> None:
+        """The server left the naming service's list: no health checks, no new calls; the
+        connections close (calls still on them fail over like any broken connection)."""
+        self.closed = True
+        for t in (self._connecting, self._health):
+            if t is not None:
+                t.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._idle.clear()
+        for conn in list(self.connections):
+            conn.close()
+        self.single = None
+
+    async def close(self) -> None:
+        self.closed = True
+        tasks = [t for t in (self._connecting, self._health) if t is not None]
+        for t in tasks:
+            t.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._idle.clear()
+        err = RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed")
+        for conn in list(self.connections):
+            conn.abort(err)
+        self.single = None
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def __repr__(self) -> str:
+        state = "up" if self.available else "logged off" if self.logged_off else "down"
+        return f"<ServerPool {self.address} {state} {len(self.connections)} connections>"
+
+
+async def _credential(auth, address: str) -> bytes:
+    try:
+        cred = auth.generate_credential()
+        if inspect.isawaitable(cred):
+            cred = await cred
+    except Exception as e:
+        raise RpcError(EREQUEST, f"Fail to generate credential for {address}: {e!r}") from None
+    if isinstance(cred, str):
+        cred = cred.encode()
+    if not isinstance(cred, (bytes, bytearray)):
+        raise RpcError(EREQUEST, f"generate_credential() must return bytes, got {type(cred).__name__}")
+    return bytes(cred)
