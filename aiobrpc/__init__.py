@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 from . import errors
+from .client.backup import BackupRequestPolicy, LatencyQuantileBackupPolicy, RateLimitedBackupPolicy
 from .client.channel import Channel
+from .client.retry import FixedBackoffRetryPolicy, JitteredBackoffRetryPolicy, RetryPolicy, RetryThrottle
 from .controller import Controller
 from .errors import LocalProtocolError, RemoteProtocolError, RpcError
 from .options import ChannelOptions, ServerOptions
@@ -16,8 +18,10 @@ from .server.server import Server
 from .stub import Servicer, Stub
 
 __all__ = [
-    "Channel", "ChannelOptions", "Controller", "LocalProtocolError", "RemoteProtocolError",
-    "RpcError", "Server", "ServerOptions", "Servicer", "Stub", "errors", "event_loop_policy",
+    "BackupRequestPolicy", "Channel", "ChannelOptions", "Controller", "FixedBackoffRetryPolicy",
+    "JitteredBackoffRetryPolicy", "LatencyQuantileBackupPolicy", "LocalProtocolError",
+    "RateLimitedBackupPolicy", "RemoteProtocolError", "RetryPolicy", "RetryThrottle", "RpcError",
+    "Server", "ServerOptions", "Servicer", "Stub", "errors", "event_loop_policy",
 ]
 __version__ = "0.1.0"
 
