@@ -127,6 +127,8 @@ cdef class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._complete = None
+        self._spare = None
+        self.reused_large_buffers = 0
         self._header_only = False
         self.large_threshold = large_threshold
         self.copied_bytes = 0
@@ -223,7 +225,14 @@ cdef class ReadBuffer:
 
     cdef int _begin_large(self, Py_ssize_t total) except -1:
         cdef Py_ssize_t have = self._end - self._start
-        large = bytearray(total)
+        cdef bytearray large = self._spare
+        self._spare = None
+        # Reuse the previous large buffer when nobody holds it any more (only this local
+        # reference is left): fresh pages of a new buffer cost a page fault each.
+        if large is not None and _refcnt(<PyObject*>large) == 1 and PyByteArray_GET_SIZE(large) == total:
+            self.reused_large_buffers += 1
+        else:
+            large = bytearray(total)
         if have:
             if have <= total:
                 memcpy(PyByteArray_AS_STRING(large),
@@ -247,6 +256,7 @@ cdef class ReadBuffer:
         if self._complete is not None:
             large, self._complete = self._complete, None
             self._header_only = True
+            self._spare = large
             return memoryview(large)
         large = self._large
         if large is None or self._large_filled < len(large):
@@ -254,6 +264,7 @@ cdef class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._header_only = True
+        self._spare = large
         return memoryview(large)
 
     def pending_bytes(self):
@@ -265,6 +276,7 @@ cdef class ReadBuffer:
         """Drop everything buffered (connection closed)."""
         self._large = None
         self._complete = None
+        self._spare = None
         self._large_filled = 0
         self._start = self._end = 0
         if not self._unshared() or PyByteArray_GET_SIZE(self._block) != self._block_size:

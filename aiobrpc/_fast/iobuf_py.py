@@ -12,8 +12,10 @@ into memoryviews.
   and the unconsumed tail (a partial small frame) is moved there.
 * A frame larger than `large_threshold` gets one exact-size bytearray (`begin_large`): the
   bytes of it already read are moved there once, and the kernel fills the rest directly, so
-  its payload is one contiguous view with no further copy. After a large frame the next read
-  at a frame boundary asks the kernel for the 12-byte header only, so a stream of large
+  its payload is one contiguous view with no further copy. The next large frame of the same
+  size reuses that buffer once no view of it is alive (no fresh pages to fault in). After a
+  large frame the next read at a frame boundary asks the kernel for the 12-byte header only,
+  so a stream of large
   frames is received with zero copies in user space; `copied_bytes` counts what was moved.
 """
 
@@ -109,7 +111,8 @@ class ReadBuffer:
     """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
 
     __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled",
-                 "_complete", "_header_only", "large_threshold", "copied_bytes")
+                 "_complete", "_spare", "reused_large_buffers", "_header_only", "large_threshold",
+                 "copied_bytes")
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
                  large_threshold: int = DEFAULT_LARGE_THRESHOLD) -> None:
@@ -123,6 +126,8 @@ class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._complete = None
+        self._spare = None
+        self.reused_large_buffers = 0
         self._header_only = False
         self.large_threshold = large_threshold
         self.copied_bytes = 0
@@ -197,7 +202,14 @@ class ReadBuffer:
     def begin_large(self, total: int) -> None:
         """The frame starting at the read position is `total` bytes: give it its own buffer."""
         have = self._end - self._start
-        large = bytearray(total)
+        large = self._spare
+        self._spare = None
+        # Reuse the previous large buffer when nobody holds it any more (the local name and
+        # getrefcount's argument are the only references): fresh pages cost a fault each.
+        if large is not None and sys.getrefcount(large) == 2 and len(large) == total:
+            self.reused_large_buffers += 1
+        else:
+            large = bytearray(total)
         if have:
             large[:have] = memoryview(self._block)[self._start:self._end]
             self.copied_bytes += have
@@ -213,6 +225,7 @@ class ReadBuffer:
         if self._complete is not None:
             large, self._complete = self._complete, None
             self._header_only = True
+            self._spare = large
             return memoryview(large)
         large = self._large
         if large is None or self._large_filled < len(large):
@@ -220,6 +233,7 @@ class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._header_only = True
+        self._spare = large
         return memoryview(large)
 
     def pending_bytes(self) -> int:
@@ -230,6 +244,7 @@ class ReadBuffer:
     def clear(self) -> None:
         """Drop everything buffered (connection closed)."""
         self._large = None
+        self._spare = None
         self._complete = None
         self._large_filled = 0
         self._start = self._end = 0

@@ -338,6 +338,32 @@ def test_large_frames_are_received_into_exact_size_buffers(size):
     assert reader.pending_bytes() == 0
 
 
+def test_large_buffer_is_reused_once_no_view_of_it_is_alive():
+    size = 300_000
+    reader = _fast.FrameReader()
+    [f1] = kernel(reader, frame(b"m", pattern(size, 1)))
+    first_buffer_id = id(f1[2].obj)
+    del f1  # the user dropped the attachment: its buffer may take the next frame of that size
+    [f2] = kernel(reader, frame(b"m", pattern(size, 2)))
+    assert id(f2[2].obj) == first_buffer_id and reader.rbuf.reused_large_buffers == 1
+    assert bytes(f2[2]) == pattern(size, 2)
+
+
+def test_large_buffer_under_a_live_view_is_never_reused():
+    size = 300_000
+    reader = _fast.FrameReader()
+    [f1] = kernel(reader, frame(b"m", pattern(size, 1)))
+    kept = np.frombuffer(f1[2], dtype=np.uint8)  # the user keeps the attachment (via numpy)
+    del f1
+    [f2] = kernel(reader, frame(b"m", pattern(size, 2)))
+    assert reader.rbuf.reused_large_buffers == 0
+    assert kept.tobytes() == pattern(size, 1) and bytes(f2[2]) == pattern(size, 2)
+    del f2
+    [f3] = kernel(reader, frame(b"m", pattern(size + 1, 3)))  # another size: a new buffer
+    assert reader.rbuf.reused_large_buffers == 0 and bytes(f3[2]) == pattern(size + 1, 3)
+    assert kept.tobytes() == pattern(size, 1)
+
+
 def test_small_frame_after_large_frame_lands_in_the_block():
     reader = _fast.FrameReader()
     big, small = frame(b"m", pattern(300_000, 1)), frame(b"s", b"tiny")
