@@ -166,7 +166,10 @@ class ServerPool:
         if not self._idle:
             return
         loop = self._idle[0][0].loop
-        limit = loop.time() - self.options.pool_idle_timeout_s
+        timeout = self.options.pool_idle_timeout_s
+        # uvloop's timers tick in milliseconds and may fire a hair early: allow for it, or a
+        # connection idle since the timer was armed would wait for the next sweep.
+        limit = loop.time() - timeout + 0.002
         keep = []
         for conn, since in self._idle:
             if since <= limit:
@@ -175,7 +178,8 @@ class ServerPool:
                 keep.append((conn, since))
         self._idle = keep
         if keep:
-            self._idle_timer = loop.call_later(self.options.pool_idle_timeout_s, self._close_idle)
+            # The next sweep when the oldest kept one times out, not a whole timeout later.
+            self._idle_timer = loop.call_at(min(since for _, since in keep) + timeout, self._close_idle)
 
     def idle_count(self) -> int:
         return len(self._idle)
@@ -197,11 +201,16 @@ class ServerPool:
                              f"({breaker.isolated_times} times)")
 
     def log_off(self) -> None:
-        """The server answered ELOGOFF: no new calls until it fails and is revived."""
+        """The server answered ELOGOFF: no new calls until it is revived. Its connections
+        stay (calls on them finish); the health check probes it as for a failure, so a
+        server that restarts is used again (brpc waits for the connection to fail first,
+        which never happens for pooled/short connections)."""
+        if self.logged_off or self.closed:
+            return
         self.logged_off = True
-        self.available = False
+        self.mark_failed("it answered ELOGOFF (stopping)", abort=False)
 
-    def mark_failed(self, why: str) -> None:
+    def mark_failed(self, why: str, abort: bool = True) -> None:
         """Take the server out of use and start its health check (client.md §7.1, §7.2)."""
         if self.closed:
             return
@@ -209,9 +218,10 @@ class ServerPool:
         self.available = False
         breaker = self._isolation
         breaker.mark_as_broken()
-        conn, self.single = self.single, None
-        if conn is not None and not conn.is_closed:
-            conn.abort(RpcError(EFAILEDSOCKET, f"Server {self.address} was marked failed: {why}"))
+        if abort:
+            conn, self.single = self.single, None
+            if conn is not None and not conn.is_closed:
+                conn.abort(RpcError(EFAILEDSOCKET, f"Server {self.address} was marked failed: {why}"))
         if self._health is None:
             if was_available:
                 self.stats.servers_marked_down += 1
