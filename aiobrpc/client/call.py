@@ -25,7 +25,7 @@ import time
 
 from .. import _fast
 from ..controller import Controller
-from ..errors import (EBACKUPREQUEST, ECANCELED, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST,
+from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST,
                       ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, content
 from .pool import SINGLE
@@ -178,6 +178,12 @@ class Call:
         opts = channel.options
         cntl = self.cntl
         att.conn = conn
+        if conn.is_closed:
+            # Lost between its connect and this send (a reset right after the accept): the
+            # request would be dropped and the attempt left waiting until the deadline.
+            self._ended(att, None, RpcError(
+                EFAILEDSOCKET, f"Connection to {conn.peer} was lost before the request was sent"))
+            return
         if not conn.writable():
             self._ended(att, None, RpcError(
                 EOVERCROWDED, f"{conn.unwritten_bytes()} bytes are waiting to be written to {conn.peer} "
