@@ -122,12 +122,18 @@ class Channel:
         return not names or (service_name not in names and f"{service_name}/{method_name}" not in names)
 
     async def connect(self) -> None:
-        """Connect to every server now instead of on the first call (single connections;
-        pooled and short ones are made per call). Raises RpcError when one fails."""
+        """Connect to every server now instead of on the first call: the single connection,
+        or one idle pooled connection, of each server (short: a connection made and closed,
+        a reachability check). Raises RpcError when one fails."""
         loop = asyncio.get_running_loop()
+        ctype = self.options.connection_type
         for pool in list(self.pools.values()):
-            if pool.ready("single") is None:
-                await pool.connect(loop, None, "single")
+            if ctype == "single":
+                if pool.ready(ctype) is None:
+                    await pool.connect(loop, None, ctype)
+            elif ctype == "short" or pool.idle_count() == 0:
+                # Not a single connection: its loss would mark the server failed.
+                pool.release(await pool.connect(loop, None, ctype), ctype, True)
 
     def server_states(self) -> dict[str, str]:
         """"up", "down" (health check running) or "logged off", by server address."""

@@ -10,6 +10,7 @@ is not a dependable stand-in on loopback, so it is not used here.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 import pytest_asyncio
@@ -236,6 +237,40 @@ async def test_controller_overrides_the_connection_type(echo):
     await stub.Echo(Req(message="s"), cntl)
     assert server.stats.connections_accepted == 2
     await until(lambda: len(server.connections) == 1)  # the short one closed, the single kept
+    await channel.close()
+
+
+@pytest.mark.parametrize("ctype", ["pooled", "short"])
+async def test_connect_makes_a_connection_of_the_channels_type(echo, ctype):
+    """connect() on a pooled/short channel opens no single connection: one that the server
+    closed would mark the server failed although no call uses it."""
+    server, _ = echo
+    channel, stub = stub_for(server, connection_type=ctype)
+    await channel.connect()
+    assert channel._single.single is None and server.stats.connections_accepted == 1
+    if ctype == "pooled":
+        assert channel._single.idle_count() == 1
+        assert (await stub.Echo(Req(message="warm"))).message == "warm"
+        assert server.stats.connections_accepted == 1  # the connected one served it
+    await until(lambda: len(server.connections) == (ctype == "pooled"))
+    for conn in list(server.connections):
+        conn.close()  # e.g. the server's idle timeout
+    await until(lambda: channel.connection_count() == 0)
+    assert channel.server_states() == {f"127.0.0.1:{server.port}": "up"}
+    assert (await stub.Echo(Req(message="after"))).message == "after"
+    await channel.close()
+
+
+@pytest.mark.parametrize("ctype", ["single", "pooled", "short"])
+async def test_connect_to_a_closed_port_raises_and_marks_the_server_down(ctype):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    channel = aiobrpc.Channel(f"127.0.0.1:{port}", aiobrpc.ChannelOptions(connection_type=ctype))
+    with pytest.raises(aiobrpc.RpcError) as ei:
+        await channel.connect()
+    assert ei.value.code == errors.ECONNREFUSED
+    assert channel.server_states() == {f"127.0.0.1:{port}": "down"}
     await channel.close()
 
 
