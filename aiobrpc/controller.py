@@ -69,7 +69,8 @@ class Controller:
                  request_id: str | None = None, max_retry: int | None = None,
                  request_compress_type: int = 0,
                  request_checksum: bool = False, request_checksum_with_attachment: bool = False,
-                 request_attachment: Any = None) -> None:
+                 request_attachment: Any = None, idempotent: bool | None = None,
+                 backup_request_ms: int | None = None, connection_type: str | None = None) -> None:
         if log_id is not None:
             if not (isinstance(log_id, int) and 0 <= log_id < 1 << 64):
                 raise ValueError(f"log_id must be an int in 0..2**64-1, got {log_id!r}")
@@ -79,9 +80,19 @@ class Controller:
                 raise ValueError(f"timeout_ms must be -1 or an int >= 0, got {timeout_ms!r}")
             self.timeout_ms = timeout_ms
         if max_retry is not None:
-            if not isinstance(max_retry, int) or max_retry < 0:
-                raise ValueError(f"max_retry must be an int >= 0, got {max_retry!r}")
+            if not isinstance(max_retry, int) or not 0 <= max_retry <= 1000:
+                raise ValueError(f"max_retry must be an int in 0..1000, got {max_retry!r}")
             self.max_retry = max_retry
+        if idempotent is not None:
+            self.idempotent = bool(idempotent)
+        if backup_request_ms is not None:
+            if not isinstance(backup_request_ms, int) or backup_request_ms < -1:
+                raise ValueError(f"backup_request_ms must be -1 or an int >= 0, got {backup_request_ms!r}")
+            self.backup_request_ms = backup_request_ms
+        if connection_type is not None:
+            if connection_type not in ("single", "pooled", "short"):
+                raise ValueError(f"connection_type must be 'single', 'pooled' or 'short', got {connection_type!r}")
+            self.connection_type = connection_type
         if request_id is not None:
             self.request_id = request_id
         if request_compress_type:
@@ -146,7 +157,8 @@ class Controller:
         """Forget the result of a previous call made with this controller."""
         d = self.__dict__
         for name in ("error_code", "error_text", "response_attachment", "_response_user_fields",
-                     "retried_count", "has_backup_request", "_attempts"):
+                     "retried_count", "has_backup_request", "_attempts", "remote_side", "local_side",
+                     "correlation_id", "latency_us"):
             d.pop(name, None)
 
     def __repr__(self) -> str:

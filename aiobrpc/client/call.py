@@ -270,10 +270,14 @@ class Call:
                 pool.feedback(code, latency_us)
             if code == ELOGOFF and ev is not None:
                 pool.log_off()
-        throttle = self.channel.options.retry_throttle
+        opts = self.channel.options
+        throttle = opts.retry_throttle
         if code == 0:
             if throttle is not None:
                 throttle.on_success()
+            if opts.retry_policy is not None and self._policy_retries_success(att, opts.retry_policy):
+                self._retry(att)  # brpc: a custom policy may retry a success (it is discarded)
+                return
             self._complete(att, response, None)
             return
         if throttle is not None:
@@ -313,6 +317,18 @@ class Call:
         if throttle is not None and not throttle.allow_retry():
             self.channel.stats.retries_throttled += 1
             return False
+        return True
+
+    def _policy_retries_success(self, att: Attempt, policy) -> bool:
+        if (att is not self.current or not self.idempotent or self.retried >= self.max_retry
+                or (self.deadline is not None and self.loop.time() >= self.deadline)):
+            return False
+        cntl = self.cntl
+        cntl.error_code = 0
+        if not policy.do_retry(cntl):
+            return False
+        cntl.response_attachment = None  # the discarded reply's
+        cntl._response_user_fields = None
         return True
 
     def _retry(self, att: Attempt) -> None:

@@ -119,6 +119,9 @@ class ServerPool:
                 except BaseException:
                     conn.close()
                     raise
+                if conn.is_closed:  # lost while the credential was made
+                    raise RpcError(EFAILEDSOCKET, f"Connection to {self.address} was lost while "
+                                                  "generating the credential")
         except RpcError as e:
             self._connect_failed(e.code, e.text, ctype)
             raise

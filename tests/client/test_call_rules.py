@@ -322,8 +322,6 @@ class RetryFirstSuccess(aiobrpc.RetryPolicy):
         return super().do_retry(cntl)
 
 
-@pytest.mark.xfail(strict=True, reason="call.py never asks the retry policy about a success "
-                                       "(Call._ended completes at once when code == 0)")
 async def test_custom_policy_may_retry_a_success(cluster):
     srv = await cluster.start()
     _, stub = cluster.channel([srv], max_retry=3, retry_policy=RetryFirstSuccess())
