@@ -37,6 +37,9 @@ class ChannelOptions:
     # and never given a backup request. Controller.idempotent overrides per call.
     non_idempotent_methods: frozenset = frozenset()
     enable_circuit_breaker: bool = False
+    # CircuitBreaker keyword arguments (windows, error percents, isolation durations); brpc's
+    # gflag defaults otherwise.
+    circuit_breaker_options: dict = field(default_factory=dict)
     health_check_interval_s: float = 3.0  # brpc's -health_check_interval
     health_check_timeout_ms: int = 500
     max_connection_pool_size: int = 100  # idle pooled connections kept per server
@@ -64,6 +67,14 @@ class ChannelOptions:
         if isinstance(self.non_idempotent_methods, str):
             raise ValueError("non_idempotent_methods must be a collection of names, not one str")
         self.non_idempotent_methods = frozenset(self.non_idempotent_methods)
+        if not isinstance(self.circuit_breaker_options, dict):
+            raise TypeError("circuit_breaker_options must be a dict of CircuitBreaker arguments")
+        if self.circuit_breaker_options:
+            from .client.circuit_breaker import CircuitBreaker
+            try:
+                CircuitBreaker(**self.circuit_breaker_options)  # the same checks, now
+            except TypeError as e:
+                raise TypeError(f"circuit_breaker_options: {e}") from None
         for name, want in (("retry_policy", "do_retry"), ("backup_request_policy", "backup_request_ms"),
                            ("retry_throttle", "allow_retry")):
             v = getattr(self, name)

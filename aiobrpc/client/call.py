@@ -281,7 +281,14 @@ class Call:
             self._complete(att, response, None)
             return
         if throttle is not None:
-            throttle.on_failure()
+            if ev is None and conn is not None and att.sent:
+                # One broken connection fails every call on it at once: it is one failure
+                # for the throttle, not one per call (that would drain it in one event).
+                if not conn.failure_counted:
+                    conn.failure_counted = True
+                    throttle.on_failure()
+            else:
+                throttle.on_failure()
         errors = self.errors
         if errors is None:
             errors = self.errors = []
@@ -383,6 +390,16 @@ class Call:
         if self.finished:
             return
         self.channel.stats.timeouts += 1
+        # Attempts still waiting failed at the deadline: their servers' breakers and the load
+        # balancer hear it, so a server that never answers is isolated (client.md §7.3).
+        now = _now_ns()
+        lb = self.channel.lb
+        for att in (self.current, self.unfinished):
+            if att is not None and att.sent and not att.done and att.pool is not None:
+                latency_us = (now - att.start_ns) // 1000
+                if lb is not None:
+                    lb.feedback(att.pool.node, ERPCTIMEDOUT, latency_us)
+                att.pool.feedback(ERPCTIMEDOUT, latency_us)
         cur = self.current
         where = cur.pool.address if cur is not None and cur.pool is not None else self.channel.address
         self._complete(None, None, RpcError(ERPCTIMEDOUT, f"Reached timeout={self.timeout_ms}ms @{where}"))

@@ -45,6 +45,7 @@ class ClientConnection(FramedConnection):
         self.stats = stats
         self.ctype = ctype
         self.credential: bytes | None = None  # sent with the first request (auth)
+        self.failure_counted = False  # the retry throttle counted this connection's failure
         self.needs_credential = True
         self._next_cid = 1
         self._on_closed = on_closed

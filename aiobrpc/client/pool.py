@@ -46,7 +46,7 @@ class ServerPool:
         self.stats = stats
         self.available = True
         self.logged_off = False
-        self.breaker = CircuitBreaker() if options.enable_circuit_breaker else None
+        self.breaker = CircuitBreaker(**options.circuit_breaker_options) if options.enable_circuit_breaker else None
         # Without the circuit breaker option a breaker still times the isolations: every
         # failure waits the same doubling duration before its first health check (§7.3).
         self._isolation = self.breaker if self.breaker is not None else CircuitBreaker()

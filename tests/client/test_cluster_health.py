@@ -266,8 +266,6 @@ async def test_circuit_breaker_isolates_a_failing_server_until_the_health_check(
         await bad.join(timeout=2)
 
 
-@pytest.mark.xfail(strict=True, reason="an attempt abandoned at the deadline (ERPCTIMEDOUT) is not "
-                   "reported to the circuit breaker (call.py _complete/_abandon); brpc's EndRPC reports it")
 async def test_circuit_breaker_isolates_a_server_that_never_answers(cluster):
     """client.md §7.3: every attempt reports (error_code, latency); brpc reports the attempt
     the deadline ended as ERPCTIMEDOUT, so a blackholed server is isolated too."""

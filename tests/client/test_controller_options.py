@@ -35,3 +35,13 @@ def test_reset_result_forgets_the_previous_call():
     assert (cntl.remote_side, cntl.local_side, cntl.correlation_id, cntl.latency_us) == ("", "", 0, 0)
     assert not cntl.failed and cntl.retried_count == 0 and not cntl.has_backup_request
     assert cntl.attempts == [] and cntl.log_id == 3  # settings stay
+
+
+def test_circuit_breaker_options_are_checked_when_the_options_are_made():
+    opts = aiobrpc.ChannelOptions(enable_circuit_breaker=True,
+                                  circuit_breaker_options={"short_window": 10, "short_error_percent": 20})
+    assert opts.circuit_breaker_options["short_window"] == 10
+    with pytest.raises(TypeError, match="circuit_breaker_options: .*bogus"):
+        aiobrpc.ChannelOptions(circuit_breaker_options={"bogus": 1})
+    with pytest.raises(ValueError, match="short_window must be an int >= 1"):
+        aiobrpc.ChannelOptions(circuit_breaker_options={"short_window": 0})
