@@ -81,6 +81,17 @@ def _frames(buffers):
         at += 12 + body
 
 
+def deliver(conn, data: bytes) -> None:
+    """Hand `data` to the protocol as the kernel would: get_buffer, fill, buffer_updated."""
+    view = memoryview(data)
+    while view:
+        buf = conn.get_buffer(len(view))
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        conn.buffer_updated(n)
+        view = view[n:]
+
+
 def _echo_service():
     import aiobrpc
     from aiobrpc._proto import echo_pb2
@@ -129,13 +140,7 @@ async def server_side(calls: int, batch: int) -> float:
     chunk = b"".join(_request_frame(echo_pb2, i + 1) for i in range(batch))
 
     def feed():
-        view = memoryview(chunk)
-        while view:
-            buf = conn.get_buffer(len(view))
-            n = min(len(buf), len(view))
-            buf[:n] = view[:n]
-            conn.buffer_updated(n)
-            view = view[n:]
+        deliver(conn, chunk)
 
     start = time.process_time()
     sent = 0
@@ -183,13 +188,7 @@ async def client_side(calls: int, concurrency: int) -> float:
         scheduled = False
         out = b"".join(replies[answered:requested])
         answered = requested
-        view = memoryview(out)
-        while view:
-            buf = conn.get_buffer(len(view))
-            n = min(len(buf), len(view))
-            buf[:n] = view[:n]
-            conn.buffer_updated(n)
-            view = view[n:]
+        deliver(conn, out)
 
     def on_write(buffers):
         nonlocal scheduled, requested

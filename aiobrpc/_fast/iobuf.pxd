@@ -17,7 +17,6 @@ cdef class ReadBuffer:
     cdef bytearray _large
     cdef Py_ssize_t _large_filled
     cdef bytearray _complete  # a complete large frame parked until taken
-    cdef bytearray _spare  # the last large buffer handed out, reused once nothing views it
     cdef public long long reused_large_buffers
     cdef bint _header_only
     cdef public Py_ssize_t large_threshold

@@ -29,6 +29,57 @@ cdef extern from "Python.h":
 HEADER_SIZE = HEADER
 DEFAULT_BLOCK_SIZE = 256 * 1024
 DEFAULT_LARGE_THRESHOLD = 64 * 1024
+LARGE_CACHE_MAX_BYTES = 64 * 1024 * 1024
+LARGE_CACHE_MAX_BUFFERS = 16
+
+
+cdef class LargeBufferCache:
+    """Large receive buffers handed out recently, for reuse once nothing views them (see the
+    pure twin). Per process, bounded in bytes and count; the oldest entries leave first."""
+
+    cdef list _buffers
+    cdef public Py_ssize_t nbytes
+    cdef public Py_ssize_t max_bytes
+    cdef public Py_ssize_t max_buffers
+
+    def __cinit__(self, max_bytes=LARGE_CACHE_MAX_BYTES, max_buffers=LARGE_CACHE_MAX_BUFFERS):
+        self._buffers = []
+        self.nbytes = 0
+        self.max_bytes = max_bytes
+        self.max_buffers = max_buffers
+
+    cpdef object take(self, Py_ssize_t size):
+        """A cached buffer of exactly `size` bytes that nothing else references, or None."""
+        cdef Py_ssize_t i
+        cdef bytearray buf
+        for i in range(len(self._buffers)):
+            buf = <bytearray>self._buffers[i]
+            # references: the list and `buf`
+            if PyByteArray_GET_SIZE(buf) == size and _refcnt(<PyObject*>buf) == 2:
+                del self._buffers[i]
+                self.nbytes -= size
+                return buf
+        return None
+
+    cpdef put(self, bytearray buf):
+        cdef Py_ssize_t size = PyByteArray_GET_SIZE(buf)
+        if size > self.max_bytes:
+            return
+        self._buffers.append(buf)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes or len(self._buffers) > self.max_buffers:
+            self.nbytes -= PyByteArray_GET_SIZE(self._buffers.pop(0))
+
+    def clear(self):
+        self._buffers.clear()
+        self.nbytes = 0
+
+    def __len__(self):
+        return len(self._buffers)
+
+
+cdef LargeBufferCache _large_buffers = LargeBufferCache()
+large_buffers = _large_buffers
 
 
 def _as_bytes_view(obj):
@@ -127,7 +178,6 @@ cdef class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._complete = None
-        self._spare = None
         self.reused_large_buffers = 0
         self._header_only = False
         self.large_threshold = large_threshold
@@ -225,11 +275,8 @@ cdef class ReadBuffer:
 
     cdef int _begin_large(self, Py_ssize_t total) except -1:
         cdef Py_ssize_t have = self._end - self._start
-        cdef bytearray large = self._spare
-        self._spare = None
-        # Reuse the previous large buffer when nobody holds it any more (only this local
-        # reference is left): fresh pages of a new buffer cost a page fault each.
-        if large is not None and _refcnt(<PyObject*>large) == 1 and PyByteArray_GET_SIZE(large) == total:
+        large = _large_buffers.take(total)
+        if large is not None:
             self.reused_large_buffers += 1
         else:
             large = bytearray(total)
@@ -256,7 +303,7 @@ cdef class ReadBuffer:
         if self._complete is not None:
             large, self._complete = self._complete, None
             self._header_only = True
-            self._spare = large
+            _large_buffers.put(large)
             return memoryview(large)
         large = self._large
         if large is None or self._large_filled < len(large):
@@ -264,7 +311,7 @@ cdef class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._header_only = True
-        self._spare = large
+        _large_buffers.put(large)
         return memoryview(large)
 
     def pending_bytes(self):
@@ -276,7 +323,6 @@ cdef class ReadBuffer:
         """Drop everything buffered (connection closed)."""
         self._large = None
         self._complete = None
-        self._spare = None
         self._large_filled = 0
         self._start = self._end = 0
         if not self._unshared() or PyByteArray_GET_SIZE(self._block) != self._block_size:

@@ -12,8 +12,8 @@ into memoryviews.
   and the unconsumed tail (a partial small frame) is moved there.
 * A frame larger than `large_threshold` gets one exact-size bytearray (`begin_large`): the
   bytes of it already read are moved there once, and the kernel fills the rest directly, so
-  its payload is one contiguous view with no further copy. The next large frame of the same
-  size reuses that buffer once no view of it is alive (no fresh pages to fault in). After a
+  its payload is one contiguous view with no further copy. Large buffers are reused, through
+  a bounded per-process cache, once no view of them is alive (no fresh pages to fault in). After a
   large frame the next read at a frame boundary asks the kernel for the 12-byte header only,
   so a stream of large
   frames is received with zero copies in user space; `copied_bytes` counts what was moved.
@@ -29,6 +29,57 @@ from ..errors import LocalProtocolError
 HEADER_SIZE = 12
 DEFAULT_BLOCK_SIZE = 256 * 1024
 DEFAULT_LARGE_THRESHOLD = 64 * 1024
+LARGE_CACHE_MAX_BYTES = 64 * 1024 * 1024
+LARGE_CACHE_MAX_BUFFERS = 16
+
+
+class LargeBufferCache:
+    """Large receive buffers handed out recently, for reuse once nothing views them.
+
+    A fresh multi-megabyte bytearray costs a page fault per 4 KiB page when the kernel first
+    writes it; reusing a buffer of the same size whose views are all gone costs none. The
+    cache is per process and bounded (bytes and count): the oldest entries leave first.
+    """
+
+    __slots__ = ("_buffers", "nbytes", "max_bytes", "max_buffers")
+
+    def __init__(self, max_bytes: int = LARGE_CACHE_MAX_BYTES,
+                 max_buffers: int = LARGE_CACHE_MAX_BUFFERS) -> None:
+        self._buffers: list = []
+        self.nbytes = 0
+        self.max_bytes = max_bytes
+        self.max_buffers = max_buffers
+
+    def take(self, size: int):
+        """A cached buffer of exactly `size` bytes that nothing else references, or None."""
+        buffers = self._buffers
+        for i in range(len(buffers)):
+            buf = buffers[i]
+            # references: the list, `buf`, and getrefcount's argument
+            if len(buf) == size and sys.getrefcount(buf) == 3:
+                del buffers[i]
+                self.nbytes -= size
+                return buf
+        return None
+
+    def put(self, buf: bytearray) -> None:
+        size = len(buf)
+        if size > self.max_bytes:
+            return
+        self._buffers.append(buf)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes or len(self._buffers) > self.max_buffers:
+            self.nbytes -= len(self._buffers.pop(0))
+
+    def clear(self) -> None:
+        self._buffers.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
+large_buffers = LargeBufferCache()
 
 
 def _as_bytes_view(obj) -> memoryview:
@@ -111,7 +162,7 @@ class ReadBuffer:
     """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
 
     __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled",
-                 "_complete", "_spare", "reused_large_buffers", "_header_only", "large_threshold",
+                 "_complete", "reused_large_buffers", "_header_only", "large_threshold",
                  "copied_bytes")
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -126,7 +177,6 @@ class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._complete = None
-        self._spare = None
         self.reused_large_buffers = 0
         self._header_only = False
         self.large_threshold = large_threshold
@@ -202,11 +252,8 @@ class ReadBuffer:
     def begin_large(self, total: int) -> None:
         """The frame starting at the read position is `total` bytes: give it its own buffer."""
         have = self._end - self._start
-        large = self._spare
-        self._spare = None
-        # Reuse the previous large buffer when nobody holds it any more (the local name and
-        # getrefcount's argument are the only references): fresh pages cost a fault each.
-        if large is not None and sys.getrefcount(large) == 2 and len(large) == total:
+        large = large_buffers.take(total)
+        if large is not None:
             self.reused_large_buffers += 1
         else:
             large = bytearray(total)
@@ -225,7 +272,7 @@ class ReadBuffer:
         if self._complete is not None:
             large, self._complete = self._complete, None
             self._header_only = True
-            self._spare = large
+            large_buffers.put(large)
             return memoryview(large)
         large = self._large
         if large is None or self._large_filled < len(large):
@@ -233,7 +280,7 @@ class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._header_only = True
-        self._spare = large
+        large_buffers.put(large)
         return memoryview(large)
 
     def pending_bytes(self) -> int:
@@ -244,7 +291,6 @@ class ReadBuffer:
     def clear(self) -> None:
         """Drop everything buffered (connection closed)."""
         self._large = None
-        self._spare = None
         self._complete = None
         self._large_filled = 0
         self._start = self._end = 0

@@ -20,7 +20,6 @@ Rules (client.md §3.1-§3.4, hostile_inputs.md D5-D10):
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from .. import _fast
@@ -505,14 +504,3 @@ def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size:
     if meta.user_fields:
         cntl.response_user_fields = dict(meta.user_fields)
     return response
-
-
-async def run_call(channel, service_name: str, method_name: str, serialized, response_class,
-                   cntl: Controller, loop):
-    call = Call(channel, loop, service_name, method_name, serialized, response_class, cntl)
-    call.start()
-    try:
-        return await call.fut
-    except asyncio.CancelledError:
-        call.cancel()
-        raise

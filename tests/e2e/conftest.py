@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest_asyncio
 
 import aiobrpc
 from tests.helpers.interop_server import InteropEcho
-
-
-@pytest_asyncio.fixture(autouse=True)
-async def loop_errors():
-    loop = asyncio.get_running_loop()
-    errors: list = []
-    loop.set_exception_handler(lambda lp, ctx: errors.append(ctx))
-    yield errors
-    await asyncio.sleep(0)
-    loop.set_exception_handler(None)
-    assert not errors, f"exceptions reached the loop's handler: {errors}"
+from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
 
 
 @pytest_asyncio.fixture

@@ -338,7 +338,15 @@ def test_large_frames_are_received_into_exact_size_buffers(size):
     assert reader.pending_bytes() == 0
 
 
-def test_large_buffer_is_reused_once_no_view_of_it_is_alive():
+@pytest.fixture
+def cache():
+    """The twin's per-process large-buffer cache, empty for the test."""
+    _fast.large_buffers.clear()
+    yield _fast.large_buffers
+    _fast.large_buffers.clear()
+
+
+def test_large_buffer_is_reused_once_no_view_of_it_is_alive(cache):
     size = 300_000
     reader = _fast.FrameReader()
     [f1] = kernel(reader, frame(b"m", pattern(size, 1)))
@@ -347,9 +355,14 @@ def test_large_buffer_is_reused_once_no_view_of_it_is_alive():
     [f2] = kernel(reader, frame(b"m", pattern(size, 2)))
     assert id(f2[2].obj) == first_buffer_id and reader.rbuf.reused_large_buffers == 1
     assert bytes(f2[2]) == pattern(size, 2)
+    # Another connection's reader reuses it too once it is free again.
+    del f2
+    other = _fast.FrameReader()
+    [f3] = kernel(other, frame(b"m", pattern(size, 3)))
+    assert id(f3[2].obj) == first_buffer_id and other.rbuf.reused_large_buffers == 1
 
 
-def test_large_buffer_under_a_live_view_is_never_reused():
+def test_large_buffer_under_a_live_view_is_never_reused(cache):
     size = 300_000
     reader = _fast.FrameReader()
     [f1] = kernel(reader, frame(b"m", pattern(size, 1)))
@@ -362,6 +375,23 @@ def test_large_buffer_under_a_live_view_is_never_reused():
     [f3] = kernel(reader, frame(b"m", pattern(size + 1, 3)))  # another size: a new buffer
     assert reader.rbuf.reused_large_buffers == 0 and bytes(f3[2]) == pattern(size + 1, 3)
     assert kept.tobytes() == pattern(size, 1)
+
+
+def test_large_buffer_cache_is_bounded():
+    cache = _fast.LargeBufferCache(max_bytes=1000, max_buffers=3)
+    for n in (400, 400, 400):  # 1200 bytes: the oldest leaves
+        cache.put(bytearray(n))
+    assert len(cache) == 2 and cache.nbytes == 800
+    for _ in range(5):
+        cache.put(bytearray(10))
+    assert len(cache) == 3 and cache.nbytes == 30
+    cache.put(bytearray(1001))  # larger than the whole cache: not kept
+    assert len(cache) == 3 and cache.nbytes == 30
+    assert cache.take(10) is not None and cache.take(999) is None and cache.nbytes == 20
+    held = cache.take(10)
+    cache.put(held)
+    assert cache.take(10) is not None  # the other free one
+    assert cache.take(10) is None  # `held` is referenced here, so it is not free
 
 
 def test_small_frame_after_large_frame_lands_in_the_block():
