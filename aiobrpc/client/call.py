@@ -228,7 +228,7 @@ class Call:
         att.cid = cid
         conn.pending[cid] = att
         att.sent = True
-        conn.write(bufs, len(bufs[0]) + len(data) + (meta.attachment_size or 0))
+        conn.write(bufs, len(bufs[0]) + len(data) + (meta.attachment_size or 0), len(conn.pending) == 1)
 
     # -- results -----------------------------------------------------------------------------
     def _ended(self, att: Attempt, ev, err: RpcError | None) -> None:

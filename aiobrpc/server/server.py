@@ -237,7 +237,7 @@ class Server:
             if cntl.failed:
                 self.stats.failed_requests += 1
                 bufs = error_response(conn, meta, cntl.error_code, cntl.error_text, self._tag(conn))
-            conn.write(bufs, buffers_size(bufs))
+            conn.write(bufs, buffers_size(bufs), conn.inflight == 1)
         finally:
             self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1

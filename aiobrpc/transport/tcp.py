@@ -151,14 +151,22 @@ class FramedConnection(asyncio.BufferedProtocol):
         """Whether `nbytes` more may be queued without passing max_unwritten_bytes."""
         return self.unwritten_bytes() + nbytes <= self.max_unwritten_bytes
 
-    def write(self, buffers: list, nbytes: int = -1) -> None:
-        """Queue one message's buffers; they go out at the end of this loop iteration."""
+    def write(self, buffers: list, nbytes: int = -1, alone: bool = False) -> None:
+        """Queue one message's buffers; they go out at the end of this loop iteration.
+
+        `alone`: the caller knows no other message is coming now (one call in flight), so
+        waiting for more to coalesce would only add a loop iteration of latency: it goes out
+        at once unless something is already queued.
+        """
         if self.is_closed:
             return
         if nbytes < 0:
             nbytes = buffers_size(buffers)
         self._out.extend(buffers)
         self._out_bytes += nbytes
+        if alone and not self._flush_scheduled:
+            self._flush()
+            return
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
