@@ -18,7 +18,7 @@ import pytest_asyncio
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
-from tests.helpers.interop_server import SERVICE, InteropEcho
+from tests.helpers.interop_server import SERVICE, InteropEcho, running_echo
 
 Req = interop_pb2.EchoRequest
 
@@ -26,14 +26,8 @@ Req = interop_pb2.EchoRequest
 @pytest_asyncio.fixture
 async def echo():
     """(server, servicer) of the interop EchoService on an ephemeral port."""
-    servicer = InteropEcho()
-    server = aiobrpc.Server()
-    server.add_service(servicer)
-    await server.start("127.0.0.1:0")
-    yield server, servicer
-    await server.stop()
-    await server.join(timeout=2)
-    assert not server.connections
+    async with running_echo() as pair:
+        yield pair
 
 
 def stub_for(server, **opts):

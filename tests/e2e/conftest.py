@@ -5,18 +5,12 @@ from __future__ import annotations
 import pytest_asyncio
 
 import aiobrpc
-from tests.helpers.interop_server import InteropEcho
+from tests.helpers.interop_server import running_echo
 from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
 
 
 @pytest_asyncio.fixture
 async def interop():
     """(server, servicer) of the interop EchoService on an ephemeral port."""
-    servicer = InteropEcho()
-    server = aiobrpc.Server(aiobrpc.ServerOptions(server_tag="127.0.0.1:9110"))
-    server.add_service(servicer)
-    await server.start("127.0.0.1:0")
-    yield server, servicer
-    await server.stop()
-    await server.join(timeout=2)
-    assert not server.connections
+    async with running_echo(aiobrpc.ServerOptions(server_tag="127.0.0.1:9110")) as pair:
+        yield pair

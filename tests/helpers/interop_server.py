@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import zlib
 
@@ -68,3 +69,19 @@ class InteropEcho(aiobrpc.Servicer):
 
     async def StartStream(self, request, cntl):
         raise aiobrpc.RpcError(aiobrpc.errors.EREQUEST, "streams are not supported yet")
+
+
+@contextlib.asynccontextmanager
+async def running_echo(options: aiobrpc.ServerOptions | None = None):
+    """(server, servicer) of InteropEcho on an ephemeral 127.0.0.1 port; on exit the server
+    stops and must have closed every connection."""
+    servicer = InteropEcho()
+    server = aiobrpc.Server(options)
+    server.add_service(servicer)
+    await server.start("127.0.0.1:0")
+    try:
+        yield server, servicer
+    finally:
+        await server.stop()
+        await server.join(timeout=2)
+    assert not server.connections
