@@ -222,6 +222,7 @@ class ServerPool:
         breaker = self._isolation
         breaker.mark_as_broken()
         if abort:
+            self.logged_off = False  # failed now, whatever it said before
             conn, self.single = self.single, None
             if conn is not None and not conn.is_closed:
                 conn.abort(RpcError(EFAILEDSOCKET, f"Server {self.address} was marked failed: {why}"))

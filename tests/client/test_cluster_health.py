@@ -220,6 +220,8 @@ async def test_elogoff_is_retried_elsewhere_and_logs_the_server_off(cluster, cty
     await s1.join(timeout=2)
     await asyncio.sleep(0.3)
     assert channel.server_states()[addresses[1]] != "up" and channel.stats.servers_revived == 0
+    if ctype == "single":  # its connection is gone now: failed, no longer merely logged off
+        assert channel.server_states()[addresses[1]] == "down"
     await s1.start(f"127.0.0.1:{port}")
     await wait_up(channel, timeout=2)
     await asyncio.gather(*[stub.Echo(Req(message=str(i))) for i in range(30)])
