@@ -83,7 +83,7 @@ class Call:
                  "backup_timer", "retry_handle", "backup_ms", "errors", "start_ns", "finished")
 
     def __init__(self, channel, loop, service_name: str, method_name: str, serialized,
-                 response_class, cntl: Controller) -> None:
+                 response_class, cntl: Controller, started: float | None = None) -> None:
         opts = channel.options
         self.channel = channel
         self.loop = loop
@@ -96,7 +96,7 @@ class Call:
         self.start_ns = _now_ns()
         timeout_ms = opts.timeout_ms if cntl.timeout_ms is None else cntl.timeout_ms
         self.timeout_ms = timeout_ms
-        self.deadline = None if timeout_ms < 0 else loop.time() + timeout_ms / 1000
+        self.deadline = None if timeout_ms < 0 else (started or loop.time()) + timeout_ms / 1000
         self.max_retry = opts.max_retry if cntl.max_retry is None else cntl.max_retry
         idempotent = cntl.idempotent
         if idempotent is None:

@@ -195,9 +195,11 @@ class Channel:
         if self._closed:
             cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
             raise RpcError(EHOSTDOWN, cntl.error_text)
+        started = None
         if self.lb is not None and not self.pools and (self._first_list is None or not self._first_list.done()):
+            started = loop.time()  # the wait for the first list is part of the call's time
             await self._wait_first_list(loop, cntl)
-        call = Call(self, loop, service_name, method_name, serialized, response_class, cntl)
+        call = Call(self, loop, service_name, method_name, serialized, response_class, cntl, started)
         call.start()
         try:
             return await call.fut
