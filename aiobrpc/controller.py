@@ -1,4 +1,4 @@
-"""Controller: the per-call settings and results, on both sides (client.md §4).
+"""Controller: the per-call settings and results, on both sides (brpc's docs/en/client.md).
 
 >>> cntl = Controller(log_id=7, timeout_ms=100)
 >>> cntl.request_user_fields["tenant"] = "a"

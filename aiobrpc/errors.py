@@ -1,4 +1,4 @@
-"""brpc error codes (../shared/spec/errors.md) and the exceptions aiobrpc raises.
+"""brpc error codes (brpc's src/brpc/errno.proto) and the exceptions aiobrpc raises.
 
 `RpcError` is what a failed call raises and what a handler raises to fail its call.
 `RemoteProtocolError` means the peer sent bytes we cannot accept; `LocalProtocolError` means
@@ -99,7 +99,7 @@ DESCRIPTIONS: dict[int, str] = {
     ECANCELED: "Operation canceled",
 }
 
-# What brpc's default RpcRetryPolicy retries (errors.md §2).
+# What brpc's default RpcRetryPolicy retries (brpc's src/brpc/retry_policy.cpp).
 DEFAULT_RETRYABLE = frozenset({
     EFAILEDSOCKET, EEOF, EHOSTDOWN, ELOGOFF, ETIMEDOUT, ELIMIT, ENOENT, EPIPE,
     ECONNREFUSED, ECONNRESET, ENODATA, EOVERCROWDED, EH2RUNOUTSTREAMS,

@@ -1,4 +1,4 @@
-"""ChannelOptions and ServerOptions, named as brpc names them (client.md §1, server.md §1)."""
+"""ChannelOptions and ServerOptions, named as brpc names them (brpc's docs/en/client.md, brpc's docs/en/server.md)."""
 
 from __future__ import annotations
 

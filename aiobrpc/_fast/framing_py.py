@@ -1,11 +1,11 @@
 """baidu_std framing, pure-Python twin of `framing.pyx`.
 
-The 12-byte header shared by PRPC and STRM frames (../shared/spec/baidu_std.md §2):
+The 12-byte header shared by PRPC and STRM frames (brpc's docs/en/baidu_std.md):
 magic (4 bytes), body_size and meta_size (u32 big-endian). `FrameReader` owns a ReadBuffer,
 is fed by the kernel through get_buffer/buffer_updated (or by `feed`), and cuts complete
 frames out of it as (kind, meta view, payload view).
 
-Stricter than C++ brpc where hostile_inputs.md says so: an unknown magic is rejected as soon
+Stricter than C++ brpc where docs/hostile_inputs.md says so: an unknown magic is rejected as soon
 as the first bytes cannot be PRPC or STRM (A1), and meta_size > body_size closes the
 connection instead of silently dropping the frame (A6).
 """

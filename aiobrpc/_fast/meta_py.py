@@ -1,6 +1,6 @@
 """RpcMeta codec, pure-Python twin of `meta.pyx`.
 
-A hand-written proto2 codec for brpc's RpcMeta (../shared/spec/baidu_std.md §3) instead of the
+A hand-written proto2 codec for brpc's RpcMeta (brpc's src/brpc/policy/baidu_rpc_meta.proto) instead of the
 generated protobuf class, for two reasons: it is the per-call hot path (the generated class
 costs an object graph per call), and byte-exact output needs control that protobuf does not
 give (field presence as C++ writes it, user_fields in the caller's order).

@@ -1,4 +1,4 @@
-"""Backup request policies (client.md §3.3).
+"""Backup request policies (brpc's docs/en/backup_request.md).
 
 A policy decides the backup delay per call (`backup_request_ms`: −1 = the channel's value,
 other negatives = no backup, ≥ 0 = delay), whether to send the backup when its timer fires

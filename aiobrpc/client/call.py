@@ -1,4 +1,4 @@
-"""The life of one call (client.md §3): attempts, retries, the backup request, the deadline.
+"""The life of one call (brpc's docs/en/client.md): attempts, retries, the backup request, the deadline.
 
 A `Call` owns one future, the caller's, and completes it exactly once: with the response of
 the first attempt that succeeds, or with the error that ends the call (the deadline, a
@@ -7,7 +7,7 @@ connection is ready and from a connect task otherwise; every reply or connection
 comes back through `Attempt.on_response` / `Attempt.on_failed`, called by the connection
 from its protocol callback, so a whole call costs no task when its connection is up.
 
-Rules (client.md §3.1-§3.4, hostile_inputs.md D5-D10):
+Rules (brpc's docs/en/client.md, docs/hostile_inputs.md D5-D10):
 * one deadline covers every attempt; ERPCTIMEDOUT, ECANCELED, EREQUEST... end the call;
 * a failed attempt is retried when the retry policy says so, `max_retry` is not used up,
   the channel's retry throttle has tokens, and either the method is idempotent or the
@@ -148,7 +148,7 @@ class Call:
         att = Attempt(self, backup)
         self.current = att
         try:
-            pool = self.channel.select_server(self.excluded)
+            pool = self.channel._select_server(self.excluded)
         except RpcError as e:
             self._ended(att, None, e)
             return
@@ -368,7 +368,7 @@ class Call:
             return  # a retry is already on its way
         cur = self.current
         if self.retried >= self.max_retry:
-            # brpc: with no retry left, the backup timer ends the call (client.md §3.3).
+            # brpc: with no retry left, the backup timer ends the call (brpc's docs/en/client.md).
             where = cur.pool.address if cur is not None and cur.pool is not None else self.channel.address
             self._complete(None, None, RpcError(EBACKUPREQUEST, f"Reached backup timeout={self.backup_ms}ms @{where}"))
             return
@@ -390,7 +390,7 @@ class Call:
             return
         self.channel.stats.timeouts += 1
         # Attempts still waiting failed at the deadline: their servers' breakers and the load
-        # balancer hear it, so a server that never answers is isolated (client.md §7.3).
+        # balancer hear it, so a server that never answers is isolated (brpc's docs/en/client.md).
         now = _now_ns()
         lb = self.channel.lb
         for att in (self.current, self.unfinished):

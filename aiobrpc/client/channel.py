@@ -1,5 +1,5 @@
 """Channel: calls to one brpc server, or to a cluster through a naming service and a load
-balancer (client.md §1-§3, §5-§7).
+balancer (brpc's docs/en/client.md).
 
 `Channel("host:port")` talks to one server; `Channel("list://h1:p1,h2:p2", load_balancer="rr")`
 to a cluster. The connection type (single / pooled / short), the deadline covering every
@@ -103,7 +103,7 @@ class Channel:
         except Exception as e:  # a naming service failing keeps the last list
             log.warning("naming service %s failed: %r; keeping %d servers", self.address, e, len(self.pools))
 
-    def select_server(self, excluded) -> ServerPool:
+    def _select_server(self, excluded) -> ServerPool:
         """The server of the next attempt; RpcError(EHOSTDOWN/ENODATA) when there is none."""
         pool = self._single
         if pool is not None:

@@ -1,4 +1,4 @@
-"""Per-server circuit breaker (client.md §7.3, brpc's circuit_breaker.cpp).
+"""Per-server circuit breaker (brpc's docs/en/circuit_breaker.md, src/brpc/circuit_breaker.cpp).
 
 Every attempt on a server reports (error_code, latency_us). Two recorders, a long and a short
 window, keep an exponential moving average of the successful latency and of the "error cost"
@@ -6,7 +6,7 @@ window, keep an exponential moving average of the successful latency and of the 
 recorder is unhealthy when its error cost exceeds the cost of `error_percent` % of `window`
 average calls. Until a recorder has seen `window` samples it counts errors instead. When
 either is unhealthy the server is isolated; the caller revives it after
-`isolation_duration_ms` (health check, §7.2) and then calls `reset()`.
+`isolation_duration_ms` (the health check) and then calls `reset()`.
 
 >>> now = [0.0]
 >>> breaker = CircuitBreaker(long_window=20, short_window=10, clock=lambda: now[0])

@@ -1,4 +1,4 @@
-"""The connections to one server and its health (client.md §2, §7).
+"""The connections to one server and its health (brpc's docs/en/client.md).
 
 `ServerPool` gives a call a connection of the configured type:
 * single: one connection shared by every call, made on first use; concurrent callers wait
@@ -48,7 +48,7 @@ class ServerPool:
         self.logged_off = False
         self.breaker = CircuitBreaker(**options.circuit_breaker_options) if options.enable_circuit_breaker else None
         # Without the circuit breaker option a breaker still times the isolations: every
-        # failure waits the same doubling duration before its first health check (§7.3).
+        # failure waits the same doubling duration before its first health check, as brpc's circuit breaker does.
         self._isolation = self.breaker if self.breaker is not None else CircuitBreaker()
         self.single: ClientConnection | None = None
         self._connecting: asyncio.Task | None = None
@@ -214,7 +214,7 @@ class ServerPool:
         self.mark_failed("it answered ELOGOFF (stopping)", abort=False)
 
     def mark_failed(self, why: str, abort: bool = True) -> None:
-        """Take the server out of use and start its health check (client.md §7.1, §7.2)."""
+        """Take the server out of use and start its health check (brpc's docs/en/client.md)."""
         if self.closed:
             return
         was_available = self.available

@@ -1,4 +1,4 @@
-"""Retry policies (client.md §3.2) and a gRPC-style retry throttle.
+"""Retry policies (brpc's docs/en/client.md) and a gRPC-style retry throttle.
 
 A policy answers two questions about a failed attempt: retry it (`do_retry`), and how long to
 wait first (`backoff_ms`). Codes in NEVER_RETRIED end the call whatever a policy says; use
@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import errors
 
-# brpc's RpcRetryPolicy::DoRetry set (errors.md §2).
+# brpc's RpcRetryPolicy::DoRetry set (brpc's src/brpc/retry_policy.cpp).
 RETRYABLE_BY_DEFAULT: frozenset[int] = errors.DEFAULT_RETRYABLE
 
 # Codes that end the call whatever the policy says:
@@ -33,7 +33,7 @@ RETRYABLE_BY_DEFAULT: frozenset[int] = errors.DEFAULT_RETRYABLE
 # EBACKUPREQUEST: the backup timer's marker, not an attempt failure;
 # EREQUEST: the request could not be built or parsed; the same bytes fail the same way again
 #   (brpc lets a custom policy retry a server-side EREQUEST; we do not);
-# EREJECT: the client's own cluster-recovery throttle shed the call (client.md §5.9).
+# EREJECT: the client's own cluster-recovery throttle shed the call (brpc's docs/en/client.md).
 NEVER_RETRIED: frozenset[int] = frozenset({
     errors.ERPCTIMEDOUT, errors.ECANCELED, errors.EBACKUPREQUEST, errors.EREQUEST,
     errors.EREJECT,

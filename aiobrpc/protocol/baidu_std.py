@@ -1,4 +1,4 @@
-"""The baidu_std protocol, sans-IO (../shared/spec/baidu_std.md).
+"""The baidu_std protocol, sans-IO (brpc's docs/en/baidu_std.md, src/brpc/policy/baidu_rpc_protocol.cpp).
 
 Receiving: a `Decoder` is fed bytes (by the kernel through get_buffer/buffer_updated, or by
 `feed`) and yields RequestReceived / ResponseReceived / StreamFrameReceived events. A framing

@@ -1,4 +1,4 @@
-"""CRC32C checksums of baidu_std payloads (baidu_std.md §5.3).
+"""CRC32C checksums of baidu_std payloads (brpc's src/brpc/policy/baidu_rpc_protocol.cpp).
 
 Computed over the wire bytes of `data` (after serialization and compression), continued over
 the attachment when checksum_with_attachment is true, masked LevelDB-style and stored as 4
@@ -47,7 +47,7 @@ def verify(checksum_type: int | None, value: bytes | None, data, attachment, wit
            code: int = EREQUEST) -> None:
     """Raise RemoteProtocolError(fatal=False) unless the checksum holds.
 
-    Stricter than brpc: an unknown checksum_type is an error (hostile_inputs.md C7), where
+    Stricter than brpc: an unknown checksum_type is an error (docs/hostile_inputs.md C7), where
     C++ would serve the message unchecked.
     """
     if not checksum_type:

@@ -1,4 +1,4 @@
-"""Compression of the `data` part of a message, as brpc does it (baidu_std.md §5.2).
+"""Compression of the `data` part of a message, as brpc does it (brpc's src/brpc/policy/baidu_rpc_protocol.cpp).
 
 snappy is the raw block format (cramjam), gzip and zlib are the RFC 1952 / RFC 1950
 containers at zlib's default level (byte-identical to brpc's output). LZ4 (4) is declared by

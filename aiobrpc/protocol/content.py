@@ -1,4 +1,4 @@
-"""Encoding of the `data` part by content_type (baidu_std.md §5.1).
+"""Encoding of the `data` part by content_type (brpc's src/brpc/policy/baidu_rpc_protocol.cpp).
 
 PB (0) is protobuf binary. JSON (1) is brpc's json2pb: proto field names as keys, 64-bit
 integers as numbers, bytes as base64, unknown keys ignored when parsing. PROTO_JSON (2) is the

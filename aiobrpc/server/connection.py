@@ -35,7 +35,7 @@ class ServerConnection(FramedConnection):
         self._first_frame_timer = None
 
     def connection_made_hook(self) -> None:
-        if not self.server.connection_opened(self):
+        if not self.server._connection_opened(self):
             return
         self._first_frame_timer = self.loop.call_later(
             self.server.options.first_frame_timeout_sec, self._no_first_frame)
@@ -69,7 +69,7 @@ class ServerConnection(FramedConnection):
         if self.auth_state != _OPEN:
             self._authenticate(ev)
             return
-        self.server.dispatch(self, ev)
+        self.server._dispatch(self, ev)
 
     # -- authentication (once per connection, on the first message) --------------------------
     def _authenticate(self, ev) -> None:
@@ -89,7 +89,7 @@ class ServerConnection(FramedConnection):
             return
         if inspect.isawaitable(verdict):
             task = self.loop.create_task(self._await_verdict(ev, credential, verdict))
-            self.server.track(task)
+            self.server._track(task)
         else:
             self._auth_done(ev, credential, bool(verdict), "")
 
@@ -115,11 +115,11 @@ class ServerConnection(FramedConnection):
         self.credential = bytes(credential)
         self.auth_state = _OPEN
         queued, self.queued = self.queued, []
-        self.server.dispatch(self, ev)
+        self.server._dispatch(self, ev)
         for q in queued:
             if self.is_closed:
                 break
-            self.server.dispatch(self, q)
+            self.server._dispatch(self, q)
         if self.transport is not None and not self.is_closed:
             self.transport.resume_reading()
 

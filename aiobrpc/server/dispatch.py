@@ -1,4 +1,4 @@
-"""Service registry and the life of one request at the server (baidu_std.md §6.2, §9).
+"""Service registry and the life of one request at the server (brpc's src/brpc/policy/baidu_rpc_protocol.cpp).
 
 Checks run in brpc's order: stopping → overcrowded → max_concurrency → attachment size →
 service/method lookup → request parse → user code. Every rejection is a meta-only error response and keeps
@@ -123,7 +123,7 @@ def parse_request(entry: MethodEntry, ev, max_decompressed_size: int):
 
 
 def error_response(conn, request_meta, code: int, text: str, tag: str) -> list:
-    """A meta-only error response, with the fields C++ writes (baidu_std.md §6.2)."""
+    """A meta-only error response, with the fields C++ writes (brpc's src/brpc/policy/baidu_rpc_protocol.cpp)."""
     meta = _fast.RpcMeta()
     meta.has_response = True
     if code == -1:

@@ -147,7 +147,7 @@ class Server:
         await self.join()
 
     # -- connections -------------------------------------------------------------------------
-    def connection_opened(self, conn: ServerConnection) -> bool:
+    def _connection_opened(self, conn: ServerConnection) -> bool:
         if len(self.connections) >= self.options.max_connections or self.stopping:
             self.stats.connections_refused += 1
             _refuse_log(logging.WARNING, "refusing connection from %s: %d connections open (max_connections=%d)",
@@ -161,7 +161,7 @@ class Server:
     def connection_closed(self, conn: ServerConnection) -> None:
         self.connections.discard(conn)
 
-    def track(self, task: asyncio.Task) -> None:
+    def _track(self, task: asyncio.Task) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -179,7 +179,7 @@ class Server:
     def _tag(self, conn: ServerConnection) -> str:
         return self.options.server_tag or conn.local
 
-    def dispatch(self, conn: ServerConnection, ev) -> None:
+    def _dispatch(self, conn: ServerConnection, ev) -> None:
         self.stats.requests += 1
         meta = ev.meta
         rejected = admission_error(self, conn, ev)

@@ -1,4 +1,4 @@
-"""Backup request policies (client.md §3.3)."""
+"""Backup request policies (brpc's docs/en/backup_request.md)."""
 
 from __future__ import annotations
 

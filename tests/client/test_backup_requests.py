@@ -1,4 +1,4 @@
-"""The backup request (client.md §3.3, hostile_inputs.md D9, D10): when it goes, who wins,
+"""The backup request (brpc's docs/en/client.md, docs/hostile_inputs.md D9, D10): when it goes, who wins,
 what happens to the loser, the EBACKUPREQUEST quirk, the policy hooks, and cancellation or
 the deadline with a backup in flight. Scaffolding from test_call_rules.py; executions are
 counted on the server side."""
@@ -62,7 +62,7 @@ async def test_backup_to_the_same_server_wins(cluster):
     [original], backup = by_backup(cntl)
     assert original.error_code is None and backup.error_code == 0  # abandoned / won
     assert original.remote_side == backup.remote_side == srv.address
-    # Same connection, next correlation id (client.md §3.3, verified against C++).
+    # Same connection, next correlation id (brpc's docs/en/client.md, verified against C++).
     assert [r.cid for r in srv.runs if r.message == "x"] == [original.correlation_id, backup.correlation_id]
     assert backup.correlation_id == original.correlation_id + 1 == cntl.correlation_id
     assert channel._conn is conn and channel.stats.connections_made == 1

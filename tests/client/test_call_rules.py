@@ -1,5 +1,5 @@
-"""The client's failure rules, proved against in-process servers (client.md §3-§4,
-hostile_inputs.md D5, D7, D8, D12): what is retried and where, what never is, backoff, the
+"""The client's failure rules, proved against in-process servers (brpc's docs/en/client.md,
+docs/hostile_inputs.md D5, D7, D8, D12): what is retried and where, what never is, backoff, the
 retry throttle, the one deadline over all attempts, cancellation.
 
 Every server counts the executions of its handler by request message; the assertions are on
@@ -312,7 +312,7 @@ async def test_request_that_cannot_be_serialized_is_never_sent(cluster):
 
 
 class RetryFirstSuccess(aiobrpc.RetryPolicy):
-    """Retries a first attempt that succeeded (client.md §3.2: a custom policy may retry
+    """Retries a first attempt that succeeded (brpc's docs/en/client.md: a custom policy may retry
     successful calls; the response is then discarded). brpc asks the policy on success too:
     `if ((!_error_code && _retry_policy == NULL) || nretry >= max_retry) goto END_OF_RPC`."""
 

@@ -1,4 +1,4 @@
-"""Circuit breaker (client.md §7.3; brpc's circuit_breaker.cpp)."""
+"""Circuit breaker (brpc's docs/en/circuit_breaker.md, src/brpc/circuit_breaker.cpp)."""
 
 from __future__ import annotations
 

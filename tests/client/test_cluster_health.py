@@ -1,5 +1,5 @@
-"""A list:// cluster of three in-process servers under rr (client.md §5.1, §6, §7): even spread,
-a server stopped and restarted on its port (hostile_inputs.md E5), ELOGOFF from a stopping
+"""A list:// cluster of three in-process servers under rr (brpc's docs/en/client.md): even spread,
+a server stopped and restarted on its port (docs/hostile_inputs.md E5), ELOGOFF from a stopping
 server, the circuit breaker isolating a failing server, a blackholed server behind backup
 requests (E6), and 20k calls into a blackhole (F5).
 """
@@ -269,7 +269,7 @@ async def test_circuit_breaker_isolates_a_failing_server_until_the_health_check(
 
 
 async def test_circuit_breaker_isolates_a_server_that_never_answers(cluster):
-    """client.md §7.3: every attempt reports (error_code, latency); brpc reports the attempt
+    """brpc's docs/en/client.md: every attempt reports (error_code, latency); brpc reports the attempt
     the deadline ended as ERPCTIMEDOUT, so a blackholed server is isolated too."""
     async with FaultProxy(("127.0.0.1", cluster[0][0].port), blackhole=True) as proxy:
         channel, stub = cluster_channel([proxy.address, *addresses_of(cluster)[1:]],

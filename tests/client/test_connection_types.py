@@ -1,8 +1,8 @@
-"""Connection types seen from the server (client.md §2): single, pooled and short connections,
+"""Connection types seen from the server (brpc's docs/en/client.md): single, pooled and short connections,
 the pool's limits and idle timeout, a timed-out pooled call's connection, credentials on every
 new connection, and ChannelOptions' checks.
 
-Connect timeouts (hostile_inputs.md E6, a SYN dropped) need a kernel that drops packets; they
+Connect timeouts (docs/hostile_inputs.md E6, a SYN dropped) need a kernel that drops packets; they
 are covered by tests/reliability/test_netns_faults.py. A listening socket with a full backlog
 is not a dependable stand-in on loopback, so it is not used here.
 """
@@ -136,7 +136,7 @@ async def test_pooled_idle_connections_close_after_the_idle_timeout(echo):
 
 
 async def test_pooled_timed_out_call_closes_its_connection(echo):
-    """A reply still in flight must never answer the next call (client.md §2)."""
+    """A reply still in flight must never answer the next call (brpc's docs/en/client.md)."""
     server, servicer = echo
     channel, stub = stub_for(server, connection_type="pooled")
     await stub.Echo(Req(message="warm"))

@@ -1,4 +1,4 @@
-"""list:// naming service, server entries and the naming registry (client.md §6)."""
+"""list:// naming service, server entries and the naming registry (brpc's docs/en/client.md)."""
 
 from __future__ import annotations
 

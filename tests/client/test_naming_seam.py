@@ -1,5 +1,5 @@
 """The naming-service seam of Channel: a registered scheme whose list arrives later and changes
-(client.md §6), and an empty list:// (ENODATA)."""
+(brpc's docs/en/client.md), and an empty list:// (ENODATA)."""
 
 from __future__ import annotations
 

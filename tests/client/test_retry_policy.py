@@ -1,4 +1,4 @@
-"""Retry policies and the retry throttle (client.md §3.2, errors.md §2)."""
+"""Retry policies and the retry throttle (brpc's docs/en/client.md, brpc's src/brpc/retry_policy.cpp)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiobrpc.client.retry import (
 )
 from aiobrpc.controller import Controller
 
-# client.md §3.2, written out by name as the spec lists them.
+# brpc's docs/en/client.md, written out by name as the spec lists them.
 SPEC_RETRYABLE = {
     "EFAILEDSOCKET": 1009, "EEOF": 1014, "EHOSTDOWN": 112, "ELOGOFF": 2003, "ETIMEDOUT": 110,
     "ELIMIT": 2004, "ENOENT": 2, "EPIPE": 32, "ECONNREFUSED": 111, "ECONNRESET": 104,

@@ -1,4 +1,4 @@
-"""rr load balancer and LB names (client.md §5 intro, §5.1)."""
+"""rr load balancer and LB names (brpc's docs/en/client.md)."""
 
 from __future__ import annotations
 

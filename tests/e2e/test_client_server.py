@@ -243,7 +243,7 @@ async def test_lost_connection_fails_pending_calls_then_reconnects(interop):
 
 
 async def test_eof_marks_the_only_server_down_until_revived(interop):
-    """brpc's behaviour (client.md §3.2): after an EOF the retries of a one-server channel
+    """brpc's behaviour (brpc's docs/en/client.md): after an EOF the retries of a one-server channel
     find the server down and fail at once with EHOSTDOWN; the health check revives it."""
     server, servicer = interop
     channel, stub = stub_for(server, max_retry=3)

@@ -1,4 +1,4 @@
-"""Network rows of ../shared/spec/hostile_inputs.md: A, B, D1-D5, E1-E4, E7, I3-I4, J."""
+"""Network rows of docs/hostile_inputs.md: A, B, D1-D5, E1-E4, E7, I3-I4, J."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FaultProxy: a TCP proxy on 127.0.0.1 that injects the faults of hostile_inputs.md rows D7, E1-E6.
+"""FaultProxy: a TCP proxy on 127.0.0.1 that injects the faults of docs/hostile_inputs.md rows D7, E1-E6.
 
 Each accepted connection is joined to a fresh connection to `target`. Every direction ("up" is
 client to server, "down" is server to client) is a reader task that queues chunks and a sender

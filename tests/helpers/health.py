@@ -1,4 +1,4 @@
-"""Waiting for a channel's servers to be revived by their health check (client.md §7.2)."""
+"""Waiting for a channel's servers to be revived by their health check (brpc's docs/en/client.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Run a Python scenario inside a fresh network namespace, with nftables rules on its loopback.
 
-Packet-level faults (hostile_inputs.md E6-E8) need a kernel that drops or resets packets: nft in
+Packet-level faults (docs/hostile_inputs.md E6-E8) need a kernel that drops or resets packets: nft in
 a private namespace does that without touching the host (`tc netem` has no kernel module here).
 `run_in_netns` starts `unshare --net` with this interpreter, brings `lo` up, loads the rules,
 then runs `script` with the repository on sys.path. The script prints one JSON object as its

@@ -15,7 +15,7 @@ from tests.helpers.wire import golden_names, load_golden
 
 SKIP = {"http_json", "http_health",  # HTTP on the port: a later issue
         "streaming", "streaming_multi", "streaming_rejected"}  # streaming RPC: a later issue
-# Where aiobrpc is stricter than C++ (hostile_inputs.md A1, A6): it closes, C++ waited/dropped.
+# Where aiobrpc is stricter than C++ (docs/hostile_inputs.md A1, A6): it closes, C++ waited/dropped.
 CLOSES = {"bad_magic", "bad_magic_short", "body_too_big", "unparsable_meta", "meta_size_gt_body",
           "close_connection", "auth_failure"}
 NAMES = [n for n in golden_names() if n not in SKIP]

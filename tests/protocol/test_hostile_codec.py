@@ -1,4 +1,4 @@
-"""Codec-level rows of ../shared/spec/hostile_inputs.md (A, B, C, J): no network needed."""
+"""Codec-level rows of docs/hostile_inputs.md (A, B, C, J): no network needed."""
 
 from __future__ import annotations
 
@@ -307,7 +307,7 @@ def test_c7_unknown_checksum_type_is_stricter_than_brpc():
 def test_c8_checksum_with_attachment_detects_corrupt_attachment():
     data, att = b"\x0a\x05hello", b"world"
     value = checksum.compute(data, att)
-    assert value.hex() == "3984520a"  # baidu_std.md §12.3
+    assert value.hex() == "3984520a"  # CRC32C of data+attachment 0xB3994B80, masked as brpc masks it
     kw = {"checksum_type": 1, "checksum_value": value, "attachment_size": 5}
     extra = field_varint(13, 1)
     dec = server()

@@ -1,5 +1,5 @@
 """FaultProxy on raw sockets, then each of its faults against the real aiobrpc client and server
-(hostile_inputs.md rows D7, E1-E3, E5-E7)."""
+(docs/hostile_inputs.md rows D7, E1-E3, E5-E7)."""
 
 from __future__ import annotations
 

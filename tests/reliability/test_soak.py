@@ -1,6 +1,6 @@
 """A short run of bench/soak.py: a list:// cluster of three servers under 64 closed-loop
 workers while server 0 is killed and restarted on its port and server 1's proxy blackholes,
-resets, closes and refuses (hostile_inputs.md E2, E3, E5-E7, client.md §7).
+resets, closes and refuses (docs/hostile_inputs.md E2, E3, E5-E7, brpc's docs/en/client.md).
 
 The soak runs its own loop (asyncio.run), so it runs once per twin, not on both loops per
 twin: the compiled twin on uvloop, the pure one on asyncio.

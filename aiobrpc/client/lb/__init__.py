@@ -1,4 +1,4 @@
-"""Load balancers by brpc name (client.md §5).
+"""Load balancers by brpc name (brpc's docs/en/load_balancing.md).
 
 >>> create_load_balancer("rr").name
 'rr'

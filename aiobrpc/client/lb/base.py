@@ -1,4 +1,4 @@
-"""The load-balancer interface and brpc's `name:key=value ...` LB names (client.md §5).
+"""The load-balancer interface and brpc's `name:key=value ...` LB names (brpc's docs/en/load_balancing.md).
 
 >>> parse_lb_name("rr:min_working_instances=2 hold_seconds=5")
 ('rr', {'min_working_instances': '2', 'hold_seconds': '5'})

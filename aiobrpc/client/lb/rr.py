@@ -1,4 +1,4 @@
-"""rr: round robin in a random stride-permutation order (client.md §5.1).
+"""rr: round robin in a random stride-permutation order (brpc's docs/en/load_balancing.md).
 
 >>> import random
 >>> from aiobrpc.client.naming import ServerNode
@@ -49,7 +49,7 @@ class RoundRobinLoadBalancer(LoadBalancer):
     available excluded server of the walk is taken in that case instead; whenever brpc finds
     a server, the choice is the same.
 
-    `min_working_instances` and `hold_seconds` (cluster recovery, client.md §5.9) are
+    `min_working_instances` and `hold_seconds` (cluster recovery, brpc's docs/en/client.md) are
     validated as brpc does and kept, but the recovery throttling itself is not implemented.
     """
 

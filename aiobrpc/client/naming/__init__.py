@@ -1,4 +1,4 @@
-"""Naming services: where a cluster channel gets its servers from (client.md §6).
+"""Naming services: where a cluster channel gets its servers from (brpc's docs/en/client.md).
 
 `create_naming_service("list://10.0.0.1:80,10.0.0.2:80")` picks the implementation by URL
 scheme; `register_naming_service` adds schemes.

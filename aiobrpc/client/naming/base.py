@@ -1,4 +1,4 @@
-"""Server nodes, the naming-service interface, and the `addr[ tag]` entry syntax (client.md §6).
+"""Server nodes, the naming-service interface, and the `addr[ tag]` entry syntax (brpc's docs/en/client.md).
 
 >>> parse_entry("10.0.0.5:8000 shard-1")
 ServerNode(host='10.0.0.5', port=8000, tag='shard-1')

@@ -1,4 +1,4 @@
-"""`list://addr[ tag],...`: a fixed server list given in the URL (client.md §6).
+"""`list://addr[ tag],...`: a fixed server list given in the URL (brpc's docs/en/client.md).
 
 >>> ns = ListNamingService("list://10.0.0.1:80, 10.0.0.2:80 canary,10.0.0.1:80")
 >>> [str(s) for s in ns.servers]
