@@ -25,6 +25,7 @@ import os
 
 from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, EREQUEST, ERPCTIMEDOUT,
                       ETIMEDOUT, RpcError)
+from ..transport.connect import open_connection
 from .circuit_breaker import CircuitBreaker
 from .connection import ClientConnection
 
@@ -99,10 +100,10 @@ class ServerPool:
                 timeout, rpc_limited = remaining, True
         try:
             try:
-                _, conn = await asyncio.wait_for(loop.create_connection(
-                    lambda: ClientConnection(self.stats, opts.max_body_size, opts.max_unwritten_bytes,
-                                             self._connection_lost, ctype),
-                    self.host, self.port), timeout)
+                _, conn = await open_connection(
+                    loop, lambda: ClientConnection(self.stats, opts.max_body_size, opts.max_unwritten_bytes,
+                                                   self._connection_lost, ctype),
+                    self.host, self.port, timeout)
             except asyncio.TimeoutError:
                 if rpc_limited:
                     raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
@@ -249,8 +250,7 @@ class ServerPool:
                 self.stats.health_checks += 1
                 timeout = opts.health_check_timeout_ms / 1000 if opts.health_check_timeout_ms >= 0 else None
                 try:
-                    transport, _ = await asyncio.wait_for(
-                        loop.create_connection(asyncio.Protocol, self.host, self.port), timeout)
+                    transport, _ = await open_connection(loop, asyncio.Protocol, self.host, self.port, timeout)
                 except (OSError, asyncio.TimeoutError):
                     wait = min(wait * 2, opts.health_check_interval_s)
                     await asyncio.sleep(wait)

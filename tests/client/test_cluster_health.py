@@ -7,6 +7,7 @@ requests (E6), and 20k calls into a blackhole (F5).
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import os
 
@@ -311,8 +312,8 @@ def rss() -> int:
 async def test_twenty_thousand_calls_into_a_blackhole_leave_nothing_behind():
     fds_before = open_fds()
     tasks_before = len(asyncio.all_tasks())
-    async with FaultProxy(("127.0.0.1", 9), blackhole=True) as proxy:
-        channel = aiobrpc.Channel(proxy.address, aiobrpc.ChannelOptions(timeout_ms=50))
+    async with FaultProxy(("127.0.0.1", 9), blackhole=True) as proxy, \
+            aiobrpc.Channel(proxy.address, aiobrpc.ChannelOptions(timeout_ms=50)) as channel:
         stub = aiobrpc.Stub(channel, SERVICE)
         loop = asyncio.get_running_loop()
         req = Req(message="into the void")
@@ -320,8 +321,9 @@ async def test_twenty_thousand_calls_into_a_blackhole_leave_nothing_behind():
         async def batch(n: int) -> None:
             t0 = loop.time()
             results = await asyncio.gather(*[stub.Echo(req) for _ in range(n)], return_exceptions=True)
-            assert all(isinstance(r, aiobrpc.RpcError) and r.code == errors.ERPCTIMEDOUT for r in results)
-            assert loop.time() - t0 < 2.0
+            codes = collections.Counter(getattr(r, "code", r) for r in results)
+            assert codes == {errors.ERPCTIMEDOUT: n}
+            assert loop.time() - t0 < 5.0
             assert channel.pending_calls() == 0
 
         await batch(2000)  # warm up: connection, caches, free lists, hash tables grown
@@ -334,7 +336,6 @@ async def test_twenty_thousand_calls_into_a_blackhole_leave_nothing_behind():
         assert channel.pending_calls() == 0 and channel.stats.timeouts == 20_000
         assert channel.connection_count() == 1 and proxy.connections_accepted == 1
         assert proxy.bytes_discarded > 20_000 * 20
-        await channel.close()
     await asyncio.sleep(0)
     assert new_fds(fds_before) == {}
     assert len(asyncio.all_tasks()) == tasks_before
