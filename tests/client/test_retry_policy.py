@@ -14,7 +14,7 @@ from aiobrpc.client.retry import (
 )
 from aiobrpc.controller import Controller
 
-# brpc's docs/en/client.md, written out by name as the spec lists them.
+# brpc's RpcRetryPolicy::DoRetry set (src/brpc/retry_policy.cpp), written out by name.
 SPEC_RETRYABLE = {
     "EFAILEDSOCKET": 1009, "EEOF": 1014, "EHOSTDOWN": 112, "ELOGOFF": 2003, "ETIMEDOUT": 110,
     "ELIMIT": 2004, "ENOENT": 2, "EPIPE": 32, "ECONNREFUSED": 111, "ECONNRESET": 104,
