@@ -1,0 +1,137 @@
+"""The programs of examples/ run and print what their docstrings promise (so they cannot rot).
+
+Each runs as a subprocess on ephemeral ports on 127.0.0.1, against the twin under test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+TIMEOUT_S = 60
+
+
+@pytest.fixture
+def env(twin):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("AIOBRPC_NO_EXTENSIONS", None)
+    if twin == "python":
+        env["AIOBRPC_NO_EXTENSIONS"] = "1"
+    return env
+
+
+def run(name: str, *args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            break
+    raise AssertionError(f"no line from the server in {timeout_s}s: {proc.stderr.read() if proc.poll() is not None else ''}")
+
+
+def test_echo_client_and_server(env):
+    server = subprocess.Popen([sys.executable, str(EXAMPLES / "echo_server.py"), "--port", "0"], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", read_line(server, TIMEOUT_S))
+        assert m, "the server prints the address it listens on"
+        address = m.group(1)
+
+        ok = run("echo_client.py", address, "--message", "hi", env=env)
+        assert ok.returncode == 0, ok.stderr
+        assert re.fullmatch(rf"response: 'hi', attachment: 1024 bytes, from {address} in \d+ us\n", ok.stdout)
+
+        bad = run("echo_client.py", address, "--message", "", env=env)
+        assert bad.returncode == 1
+        assert "message must not be empty (code 1003)" in bad.stderr
+
+        server.send_signal(signal.SIGINT)
+        out, err = server.communicate(timeout=TIMEOUT_S)
+        assert server.returncode == 0, err
+        assert out == "stopped\n"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+
+
+def test_echo_client_reports_a_server_that_is_not_there(env):
+    # Port 1 on loopback: nothing listens there.
+    r = run("echo_client.py", "127.0.0.1:1", env=env)
+    assert r.returncode == 1
+    assert "failed: [E111]Fail to connect 127.0.0.1:1" in r.stderr
+
+
+def test_cluster_retries_and_backups(env):
+    r = run("cluster.py", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    calls = [line for line in lines if line.startswith("call ")]
+    assert len(calls) == 6
+    assert all(re.match(r"call \d from (fast|slow) ", line) for line in calls), "every call succeeds"
+    assert any(re.search(r"retried_count=[1-9]", line) for line in calls)
+    assert any("has_backup_request=True" in line for line in calls)
+    assert any("down:111" in line for line in calls), "the down server refused a connection"
+    stats = dict(re.findall(r"(\w+)=(\d+)", next(line for line in lines if line.startswith("ClientStats("))))
+    assert int(stats["retries"]) >= 1 and int(stats["backup_requests"]) >= 1
+    assert int(stats["servers_marked_down"]) == 1
+    assert lines[-1] == "{'fast': 'up', 'slow': 'up', 'down': 'down'}"
+
+
+def test_numpy_attachments(env):
+    r = run("numpy_attachments.py", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "doubled float32 (3, 4)",
+        "[[ 0.  2.  4.  6.]",
+        " [ 8. 10. 12. 14.]",
+        " [16. 18. 20. 22.]]",
+        "is a view: True",
+        "a.T: [E1003]Fail to pack request: buffer must be C-contiguous to be sent without a copy",
+        "doubled float32 (4, 3)",
+        "kept a copy: True",
+    ]
+
+
+def test_kv_service_from_a_proto(env, tmp_path):
+    # As examples/README.md tells a user: only --python_out, no gRPC plugin.
+    protoc = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{EXAMPLES / 'proto'}",
+                             f"--python_out={tmp_path}", str(EXAMPLES / "proto" / "kv.proto")],
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert protoc.returncode == 0, protoc.stderr
+    assert (tmp_path / "kv_pb2.py").exists()
+
+    path = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    r = run("kv_service.py", env=dict(env, PYTHONPATH=path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert re.fullmatch(r"listening on 127\.0\.0\.1:\d+", lines[0])
+    assert lines[1:] == [
+        "serving example.kv.KvService/Put",
+        "serving example.kv.KvService/Get",
+        "Get color: found=True value=b'blue'",
+        f"Put with an empty key: code=1003 [E1003][{lines[0].split()[-1]}][E1003]key must not be empty",
+    ]
+
+
+def test_kv_service_says_how_to_make_the_pb2_module(env):
+    r = run("kv_service.py", env=env)
+    assert r.returncode == 1
+    assert "kv_pb2 not found: generate it with grpc_tools.protoc" in r.stderr
