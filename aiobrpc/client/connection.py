@@ -15,7 +15,28 @@ _unknown_log = RateLimitedLog()
 
 
 class ClientStats:
-    """Counters a channel keeps; plain integers updated on the hot path."""
+    """Counters a channel keeps (`channel.stats`); plain integers updated on the hot path.
+
+    `as_dict()` returns them all; `repr()` is one line, `ClientStats(timeouts=0, ...)`.
+
+    Attributes:
+        late_or_unknown_responses: Replies that matched no call waiting (its call had ended:
+            deadline, cancel, the other attempt of a backup won), dropped.
+        timeouts: Calls ended by their deadline (ERPCTIMEDOUT).
+        connections_made: Connections opened, of every type.
+        connections_lost: Connections closed, by either side or by a failure.
+        stream_frames_dropped: Stream frames received, dropped (this client opens no streams).
+        retries: Attempts retried after a failure.
+        backup_requests: Backup requests sent.
+        backup_losers: Attempts abandoned because the other one (backup or original) won.
+        servers_marked_down: Times a server was marked down (connection failure, ELOGOFF, a
+            tripped circuit breaker).
+        servers_revived: Times a down server's health check succeeded.
+        health_checks: Health-check connects made.
+        breaker_trips: Times a circuit breaker isolated a server.
+        retries_throttled: Retries not made because the retry throttle had no tokens.
+        cancelled: Calls ended by cancelling their task (ECANCELED).
+    """
 
     __slots__ = ("late_or_unknown_responses", "timeouts", "connections_made", "connections_lost",
                  "stream_frames_dropped", "retries", "backup_requests", "backup_losers",
@@ -28,6 +49,9 @@ class ClientStats:
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
+
+    def __repr__(self) -> str:
+        return f"ClientStats({', '.join(f'{name}={getattr(self, name)}' for name in self.__slots__)})"
 
 
 class ClientConnection(FramedConnection):
