@@ -4,6 +4,31 @@
 `RemoteProtocolError` means the peer sent bytes we cannot accept; `LocalProtocolError` means
 our own caller misused the API. Numbers are brpc's (and Linux errno values, which brpc uses on
 the wire whatever the host platform is).
+
+The codes a caller meets most, and the ones a handler raises ("retried": in brpc's default
+retry set, `DEFAULT_RETRYABLE`; a call is retried only while `max_retry` and its deadline allow):
+
+| code | number | meaning | retried |
+|---|---|---|---|
+| `EREQUEST` | 1003 | bad request: what a handler raises for invalid input; also a request that could not be serialized or packed (a non-contiguous attachment), or that the server could not parse | never |
+| `EINTERNAL` | 2001 | the handler failed: any exception other than RpcError is sent as this | no |
+| `ERESPONSE` | 2002 | bad response: not parsed by the client, or a handler returned the wrong type | no |
+| `ENOSERVICE`, `ENOMETHOD` | 1001, 1002 | the server has no such service or method | no |
+| `ERPCAUTH` | 1004 | the server rejected the credential (`auth`) | no |
+| `ERPCTIMEDOUT` | 1008 | the call's deadline (`timeout_ms`) passed | never |
+| `EBACKUPREQUEST` | 1007 | the backup timer fired with no retry left (brpc's behaviour, kept) | never |
+| `ECANCELED` | 125 | the task awaiting the call was cancelled | never |
+| `ELIMIT` | 2004 | the server is at `max_concurrency` | yes |
+| `ELOGOFF` | 2003 | the server is stopping | yes |
+| `EOVERCROWDED` | 1011 | too many bytes wait to be written on the connection (`max_unwritten_bytes`) | yes |
+| `EFAILEDSOCKET`, `EEOF` | 1009, 1014 | the connection broke or was closed with the call in flight | yes |
+| `ECONNREFUSED`, `ETIMEDOUT` | 111, 110 | the connect was refused or timed out (`connect_timeout_ms`) | yes |
+| `EHOSTDOWN` | 112 | the server is marked down (health check running), or the channel is closed | yes |
+| `EHOSTUNREACH` | 113 | the host name does not resolve | no |
+| `ENODATA` | 61 | the naming service lists no server | yes |
+
+A handler may also raise codes of its own (any int but 0, clear of the numbers above);
+`describe()` calls them "Unknown error N" unless the text says more.
 """
 
 from __future__ import annotations
@@ -114,9 +139,18 @@ def describe(code: int) -> str:
 class RpcError(Exception):
     """A call failed with brpc error `code` and human-readable `text`.
 
-    Raise it in a handler to send that code and text to the caller:
+    What a failed call raises (the same code and text are in its `Controller`), and what a
+    handler raises to fail its call: the server sends `code` and `text` to the caller, who
+    gets an RpcError with that code. For invalid input raise `errors.EREQUEST` (1003), which
+    no caller retries; any other exception in a handler reaches the caller as EINTERNAL.
 
-    >>> raise RpcError(1234, "interop failure")  # doctest: +SKIP
+    >>> raise aiobrpc.RpcError(aiobrpc.errors.EREQUEST, "key must not be empty")  # doctest: +SKIP
+
+    `str(e)` is brpc's form, `[E<code>]<text>`.
+
+    Attributes:
+        code (int): The brpc error code, one of this module's constants or a user code.
+        text (str): What happened; a failure at the server starts with its "[ip:port]".
     """
 
     def __init__(self, code: int, text: str = "") -> None:

@@ -12,8 +12,60 @@ CONNECTION_TYPES = ("single", "pooled", "short")
 class ChannelOptions:
     """Client options. Times are milliseconds; -1 means "no limit" as in brpc.
 
+    Every value is checked when the options are made (ValueError or TypeError naming the
+    field). `timeout_ms`, `max_retry`, `backup_request_ms` and `connection_type` can be
+    overridden per call in the `Controller`.
+
     >>> ChannelOptions(timeout_ms=100, max_retry=0).timeout_ms
     100
+
+    Attributes:
+        timeout_ms: The deadline of a call, covering connects, every retry, backoffs and the
+            backup request; a call past it fails with ERPCTIMEDOUT. -1: none.
+        connect_timeout_ms: The limit of one TCP connect (ETIMEDOUT when it passes, a retryable
+            failure); the call's deadline still applies. -1: none.
+        max_retry: Retries a call may make after its first attempt (0..1000); the backup request
+            counts as one. Only brpc's retryable codes are retried (`retry_policy`).
+        backup_request_ms: Send the same request again (to another server when there is one) when
+            no reply came within this delay; the first reply wins. -1: no backup request.
+        connection_type: "single" (one connection per server, calls multiplexed on it),
+            "pooled" (one call per connection at a time) or "short" (a connection per attempt).
+        max_body_size: The largest frame accepted from a server; a larger one breaks the
+            connection (EFAILEDSOCKET for the calls on it).
+        max_decompressed_size: The largest response data after decompression; a larger one
+            fails that call with ERESPONSE.
+        max_unwritten_bytes: Backpressure: the bytes a connection may hold not yet written to the
+            socket (queued by aiobrpc plus the transport's buffer). An attempt that finds its
+            connection over it is not sent and fails with EOVERCROWDED, which is retried (on
+            another server when there is one) while retries and time are left.
+        auth: An authenticator: an object with `generate_credential() -> bytes` (may be async),
+            whose credential goes with the first request of every new connection. None: none.
+        use_full_service_name: Send the service's full name ("example.EchoService"), as
+            brpc's `-baidu_protocol_use_fullname` does by default; False sends "EchoService".
+        deliver_timeout_ms: Tell the server the time left to the deadline in each request
+            (brpc's `-baidu_std_protocol_deliver_timeout_ms`); the handler reads it as
+            `cntl.timeout_ms`.
+        retry_policy: A `RetryPolicy` deciding which failures are retried and the backoff before
+            each retry. None: brpc's default set of codes, no backoff.
+        retry_throttle: A `RetryThrottle` shared by the channel's calls (gRPC A6): retries stop
+            while most attempts fail, so a dead cluster does not get max_retry + 1 times the
+            load. The default is a new `RetryThrottle()`; None: no throttle.
+        backup_request_policy: A `BackupRequestPolicy` (such as `LatencyQuantileBackupPolicy`);
+            wins over `backup_request_ms`.
+        non_idempotent_methods: Names ("package.Service/Method", or "package.Service" for all
+            its methods) whose work must not be repeated: never retried once the request may
+            have reached the server, and never given a backup request.
+            `Controller.idempotent` overrides it per call.
+        enable_circuit_breaker: Isolate a server whose recent calls mostly fail (brpc's two EMA
+            windows); the health check revives it.
+        circuit_breaker_options: Keyword arguments of the circuit breaker (windows, error
+            percents, isolation durations); brpc's gflag defaults otherwise.
+        health_check_interval_s: The longest wait between two health-check connects to a down
+            server (brpc's `-health_check_interval`); checks start sooner and back off to it.
+        health_check_timeout_ms: The limit of one health-check connect. -1: none.
+        max_connection_pool_size: Idle pooled connections kept per server.
+        pool_idle_timeout_s: Seconds an idle pooled connection is kept before it is closed
+            (brpc's `-idle_timeout_second`).
     """
 
     timeout_ms: int = 500
@@ -93,6 +145,31 @@ class ServerOptions:
 
     >>> ServerOptions(max_concurrency=100).max_concurrency
     100
+
+    Attributes:
+        max_concurrency: Requests handled at once by the whole server; one more is answered
+            with ELIMIT (the client may retry it elsewhere). 0: no limit.
+        max_body_size: The largest frame accepted from a client; a larger one closes the
+            connection right after its header, before the body is read.
+        max_decompressed_size: The largest request data after decompression; a larger one is
+            answered with EREQUEST.
+        max_unwritten_bytes: Backpressure: the bytes of replies a connection may hold not yet
+            written to the socket. Past it, new requests on that connection are answered with
+            EOVERCROWDED (their handlers do not run); while the client does not read, the
+            server also stops reading its requests.
+        auth: An authenticator: an object with `verify_credential(credential, peer) -> bool`
+            (may be async), asked once per connection with the first request's credential;
+            False answers ERPCAUTH and closes the connection. The handler sees the credential
+            as `cntl.authentication_data`. None: no authentication.
+        idle_timeout_sec: Close a connection that has no request in flight and received
+            nothing for this many seconds. -1: never.
+        first_frame_timeout_sec: Close a new connection that sends no complete frame within
+            this many seconds (stricter than brpc, which waits).
+        max_connections: Connections open at once; one more is closed at once.
+        handler_threads: Threads of the pool that runs plain `def` handlers.
+        server_tag: The "[ip:port]" prefix of the error texts sent to clients; default: the
+            connection's local address, as brpc.
+        extra: Free-form settings kept with the options; aiobrpc reads none of them.
     """
 
     max_concurrency: int = 0  # 0 = unlimited

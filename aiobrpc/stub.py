@@ -41,7 +41,11 @@ class _Method:
 class Stub:
     """Client side of `service`: one awaitable attribute per method.
 
-    `await stub.Method(request, cntl=None)` returns the response or raises RpcError.
+    `await stub.Method(request, cntl=None)` returns the response or raises RpcError; a request
+    of another message type raises TypeError. The call names the service by its full name
+    (`package.Service`, e.g. "example.EchoService") and the method by its name ("Echo"), as a
+    C++ brpc client does: it is `channel.call_method(service.full_name, "Echo", request,
+    EchoResponse, cntl)`.
     """
 
     def __init__(self, channel, service: ServiceDescriptor) -> None:
@@ -58,7 +62,9 @@ class Servicer:
 
     Set SERVICE to the ServiceDescriptor and define one method per rpc, named as in the
     .proto: `async def Echo(self, request, cntl)` (or a plain `def`, which runs in the
-    server's thread pool). Return the response message, or raise RpcError(code, text).
+    server's thread pool). Return the response message, or raise RpcError(code, text):
+    `errors.EREQUEST` for a request the handler cannot accept. The handler reads the request's
+    attachment, user fields and deadline from `cntl` and may set the response's.
 
     >>> class Echo(Servicer):  # doctest: +SKIP
     ...     SERVICE = echo_pb2.DESCRIPTOR.services_by_name["EchoService"]
@@ -67,3 +73,4 @@ class Servicer:
     """
 
     SERVICE: ServiceDescriptor
+    """The protobuf ServiceDescriptor served, e.g. `echo_pb2.DESCRIPTOR.services_by_name["EchoService"]`."""

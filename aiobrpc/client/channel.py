@@ -46,7 +46,17 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class Channel:
     """A client of one server ("host:port") or of a cluster (a naming-service URL plus
-    `load_balancer`, e.g. "list://10.0.0.1:8000,10.0.0.2:8000" and "rr")."""
+    `load_balancer`, e.g. "list://10.0.0.1:8000,10.0.0.2:8000" and "rr").
+
+    Make it inside a running event loop and use it from that loop; it connects on the first
+    call (or `connect()`). `async with Channel(...) as channel:` closes it at the end.
+
+    Attributes:
+        options (ChannelOptions): The channel's options (defaults when none were given).
+        address (str): The server ("host:port") or the naming-service URL.
+        stats (ClientStats): Counters of what the channel did (retries, backups, timeouts,
+            servers marked down and revived ...); `repr()` shows them all on one line.
+    """
 
     def __init__(self, address: str, options: ChannelOptions | None = None, *,
                  load_balancer: str | None = None) -> None:
@@ -146,6 +156,7 @@ class Channel:
         return sum(len(c.pending) for p in self.pools.values() for c in p.connections)
 
     def connection_count(self) -> int:
+        """Open connections, over every server of the channel."""
         return sum(len(p.connections) for p in self.pools.values())
 
     @property

@@ -43,6 +43,13 @@ NEVER_RETRIED: frozenset[int] = frozenset({
 class RetryPolicy:
     """brpc's default policy: retry the codes of RETRYABLE_BY_DEFAULT, no backoff.
 
+    RETRYABLE_BY_DEFAULT is brpc's set: EFAILEDSOCKET, EEOF, EHOSTDOWN, ELOGOFF, ETIMEDOUT,
+    ELIMIT, ENOENT, EPIPE, ECONNREFUSED, ECONNRESET, ENODATA, EOVERCROWDED, EH2RUNOUTSTREAMS.
+    NEVER_RETRIED codes end the call whatever a policy says: ERPCTIMEDOUT, ECANCELED,
+    EBACKUPREQUEST, EREQUEST, EREJECT. A retry also needs `max_retry` left, time before the
+    deadline, tokens in the retry throttle, and an idempotent method or a request that
+    cannot have run (docs/client_resilience.md).
+
     `retry_on` replaces the retried set (it may not contain NEVER_RETRIED codes or 0).
     Subclass and override `do_retry` for other rules; a success (error_code 0) may be retried
     by an override (the response is then discarded).
@@ -172,12 +179,15 @@ class RetryThrottle:
         self.tokens = self.max_tokens
 
     def on_success(self) -> None:
+        """An attempt succeeded: give back `token_ratio` tokens."""
         self.tokens = min(self.max_tokens, self.tokens + self.token_ratio)
 
     def on_failure(self) -> None:
+        """An attempt failed: take one token."""
         self.tokens = max(0.0, self.tokens - 1)
 
     def allow_retry(self) -> bool:
+        """Whether a retry may be made now: more than half the tokens are left."""
         return self.tokens > self.max_tokens / 2
 
     def __repr__(self) -> str:

@@ -30,7 +30,21 @@ _refuse_log = RateLimitedLog()
 
 
 class ServerStats:
-    """Counters, plain integers updated in the hot path and read when scraped."""
+    """Counters a server keeps (`server.stats`), plain integers updated in the hot path.
+
+    Attributes:
+        requests: Requests received (each frame that asked for a method).
+        failed_requests: Requests answered with an error: refused (ELIMIT, EOVERCROWDED,
+            ELOGOFF), not found, not parsed, or failed by their handler.
+        dropped_replies: Replies not sent because the connection had closed meanwhile.
+        connections_accepted: Connections accepted.
+        connections_refused: Connections closed at once: `max_connections` reached, or
+            the server stopping.
+        stream_frames_dropped: Stream frames received, dropped (no stream is opened yet).
+        closed: Connections the server closed, by reason (a `collections.Counter`):
+            "first_frame_timeout", "idle_timeout", "auth_failed", "bad_frame",
+            "unknown_protocol", "close_connection".
+    """
 
     __slots__ = ("requests", "failed_requests", "dropped_replies", "connections_accepted",
                  "connections_refused", "stream_frames_dropped", "closed")
@@ -49,7 +63,21 @@ class ServerStats:
 
 
 class Server:
-    """A baidu_std server. Add servicers, `await start(address)`, later `stop()` and `join()`."""
+    """A baidu_std server. Add servicers, `await start(address)`, later `stop()` and `join()`.
+
+    Each request runs in its own task (`async def` handlers) or in the thread pool (plain
+    `def` handlers), so a slow handler never delays the others. A handler returns its
+    response message, or raises `RpcError(code, text)` to send that code and text (for a bad
+    request: `errors.EREQUEST`); any other exception is logged and sent as EINTERNAL, and a
+    response of the wrong type as ERESPONSE. `async with Server(...) as server:` stops and
+    joins it at the end.
+
+    Attributes:
+        options (ServerOptions): The server's options (defaults when none were given).
+        stats (ServerStats): Counters of requests and connections.
+        host (str): The address listened on, once started.
+        port (int): The port listened on, once started (the one chosen for port 0).
+    """
 
     def __init__(self, options: ServerOptions | None = None) -> None:
         if options is None:
@@ -72,15 +100,20 @@ class Server:
         self.host = ""
 
     def add_service(self, servicer: Servicer) -> None:
+        """Serve the methods of `servicer` (a `Servicer` with its `SERVICE` set), before
+        `start()`. A method of the service it does not define answers EINTERNAL."""
         if self._listener is not None:
             raise RuntimeError("add services before start()")
         self.registry.add(servicer)
 
     @property
     def address(self) -> str:
+        """"host:port" listened on, once started: what a client's Channel takes."""
         return f"{self.host}:{self.port}"
 
     async def start(self, address: str | int = "127.0.0.1:0") -> None:
+        """Listen on `address`: "host:port" (port 0: any free port, then read `port` or
+        `address`), or a port number alone for every interface ("0.0.0.0")."""
         if self._listener is not None:
             raise RuntimeError("server is already started")
         if isinstance(address, int):
