@@ -11,23 +11,32 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import EINTERNAL, describe
+from .protocol.checksum import CRC32C, NONE as CHECKSUM_NONE
 
 
 class Controller:
     """Settings of one call (client) or the view of one request (server).
 
     Client side: set `log_id`, `timeout_ms`, `max_retry`, `backup_request_ms`,
-    `connection_type`, `idempotent`, `request_compress_type`, `request_checksum`,
-    `request_attachment`, `request_user_fields`, `request_id`; after the call read
-    `response_attachment`, `response_user_fields`, `failed`, `error_code`, `error_text`,
-    `latency_us`, `remote_side` (of the attempt that ended the call), `retried_count`,
-    `has_backup_request` and `attempts`.
+    `connection_type`, `idempotent`, `request_compress_type`, `request_checksum_type` (or
+    `request_checksum`), `request_checksum_with_attachment`, `request_attachment`,
+    `request_user_fields`, `request_id`; after the call read `response_attachment`,
+    `response_user_fields`, `response_compress_type`, `response_checksum_type`,
+    `response_checksum_with_attachment`, `failed`, `error_code`, `error_text`, `latency_us`,
+    `remote_side` (of the attempt that ended the call), `retried_count`, `has_backup_request`
+    and `attempts`.
 
     Server side: the request's fields are filled in (`log_id`, `timeout_ms` is the deadline
     the client propagated or None, `request_attachment`, `request_user_fields`,
+    `request_compress_type`, `request_checksum_type`, `request_checksum_with_attachment`,
     `authentication_data`, `remote_side`); the handler may set `response_attachment`,
-    `response_user_fields`, `response_compress_type`, `response_checksum`, call
-    `set_failed(code, text)` or `close_connection(reason)`.
+    `response_user_fields`, `response_compress_type`, `response_checksum_type` (or
+    `response_checksum`), `response_checksum_with_attachment`, call `set_failed(code, text)`
+    or `close_connection(reason)`.
+
+    Compression and checksums are per direction, as in C++ brpc: the side that sends a message
+    sets its `*_compress_type` / `*_checksum_type` / `*_checksum_with_attachment`, and the
+    side that receives it finds there what the message's meta declared.
     """
 
     # Defaults live on the class, so a Controller made for each call (and for each request
@@ -37,11 +46,29 @@ class Controller:
     timeout_ms: int | None = None
     request_id: str | None = None
     max_retry: int | None = None
+    #: int, a `aiobrpc.protocol.compress` type (0 none, 1 snappy, 2 gzip, 3 zlib). Client: how
+    #: the request data is compressed. Server: the compress type the request meta declared.
     request_compress_type = 0
+    #: int, a compress type like `request_compress_type`. Server: how the handler wants its
+    #: response data compressed (default 0, none). Client: after a successful reply, the
+    #: compress type the response meta declared (0 after a failed call or an error reply).
     response_compress_type = 0
-    request_checksum = False
-    response_checksum = False
+    #: int, `aiobrpc.protocol.checksum.NONE` (0) or `.CRC32C` (1). Client: the checksum the
+    #: request carries (default none). Server: the checksum type the request meta declared.
+    request_checksum_type = CHECKSUM_NONE
+    #: bool. Client: whether the request checksum also covers the attachment, after the data
+    #: (default False: the data only, as C++ brpc). Server: the request meta's
+    #: checksum_with_attachment.
     request_checksum_with_attachment = False
+    #: int, a checksum type like `request_checksum_type`. Server: the checksum the handler wants
+    #: on its response (default none; C++ brpc does not mirror the request's). Client: after a
+    #: successful reply, the checksum type the response meta declared, also when the checksum
+    #: did not hold (the call then fails with ERESPONSE).
+    response_checksum_type = CHECKSUM_NONE
+    #: bool. Server: whether the response checksum also covers the response attachment (default
+    #: False, the data only: C++ brpc's default, whatever the request asked for). Client: after
+    #: a successful reply, the response meta's checksum_with_attachment.
+    response_checksum_with_attachment = False
     request_attachment: Any = None
     response_attachment: Any = None
     request_content_type = 0
@@ -98,11 +125,31 @@ class Controller:
         if request_compress_type:
             self.request_compress_type = request_compress_type
         if request_checksum:
-            self.request_checksum = True
+            self.request_checksum_type = CRC32C
         if request_checksum_with_attachment:
             self.request_checksum_with_attachment = True
         if request_attachment is not None:
             self.request_attachment = request_attachment
+
+    @property
+    def request_checksum(self) -> bool:
+        """Whether the request carries a checksum: `request_checksum_type` as a bool (True sets
+        CRC32C, False none)."""
+        return self.request_checksum_type != CHECKSUM_NONE
+
+    @request_checksum.setter
+    def request_checksum(self, on: bool) -> None:
+        self.request_checksum_type = CRC32C if on else CHECKSUM_NONE
+
+    @property
+    def response_checksum(self) -> bool:
+        """Whether the response carries a checksum: `response_checksum_type` as a bool (True sets
+        CRC32C, False none)."""
+        return self.response_checksum_type != CHECKSUM_NONE
+
+    @response_checksum.setter
+    def response_checksum(self, on: bool) -> None:
+        self.response_checksum_type = CRC32C if on else CHECKSUM_NONE
 
     @property
     def request_user_fields(self) -> dict[str, str]:
@@ -156,9 +203,15 @@ class Controller:
     def reset_result(self) -> None:
         """Forget the result of a previous call made with this controller."""
         d = self.__dict__
-        for name in ("error_code", "error_text", "response_attachment", "_response_user_fields",
-                     "retried_count", "has_backup_request", "_attempts", "remote_side", "local_side",
-                     "correlation_id", "latency_us"):
+        for name in ("error_code", "error_text", "retried_count", "has_backup_request", "_attempts",
+                     "remote_side", "local_side", "correlation_id", "latency_us"):
+            d.pop(name, None)
+        self._forget_response()
+
+    def _forget_response(self) -> None:
+        d = self.__dict__
+        for name in ("response_attachment", "_response_user_fields", "response_compress_type",
+                     "response_checksum_type", "response_checksum_with_attachment"):
             d.pop(name, None)
 
     def __repr__(self) -> str:

@@ -213,9 +213,9 @@ class Call:
         attachment = cntl.request_attachment
         data = self.serialized
         try:
-            if cntl.request_compress_type or cntl.request_checksum:
+            if cntl.request_compress_type or cntl.request_checksum_type or cntl.request_checksum_with_attachment:
                 data = baidu_std.encode_data(meta, data, cntl.request_compress_type, attachment,
-                                             cntl.request_checksum, cntl.request_checksum_with_attachment)
+                                             cntl.request_checksum_type, cntl.request_checksum_with_attachment)
             else:
                 meta.compress_type = 0
             if meta.checksum_type is None:
@@ -333,8 +333,7 @@ class Call:
         cntl.error_code = 0
         if not policy.do_retry(cntl):
             return False
-        cntl.response_attachment = None  # the discarded reply's
-        cntl._response_user_fields = None
+        cntl._forget_response()  # the discarded reply's
         return True
 
     def _retry(self, att: Attempt) -> None:
@@ -495,6 +494,10 @@ class Call:
 
 def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size: int):
     meta = ev.meta
+    # Recorded before the checks, as C++ brpc does: a reply that fails them still shows what it declared.
+    cntl.response_compress_type = meta.compress_type or 0
+    cntl.response_checksum_type = meta.checksum_type or 0
+    cntl.response_checksum_with_attachment = bool(meta.checksum_with_attachment)
     try:
         data = baidu_std.decode_data(meta, ev.data, ev.attachment, max_decompressed_size, ERESPONSE)
         response = content.parse(response_class, data, meta.content_type or 0)

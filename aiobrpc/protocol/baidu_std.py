@@ -112,17 +112,23 @@ def pack(meta, data, attachment=None, magic: bytes = MAGIC) -> list:
 
 
 def encode_data(meta, serialized, compress_type: int = 0, attachment=None,
-                with_checksum: bool = False, checksum_with_attachment: bool = False):
-    """Compress `serialized` and fill the meta's compress/checksum fields. Returns the data."""
+                checksum_type: int = checksum.NONE, checksum_with_attachment: bool = False):
+    """Compress `serialized` and fill the meta's compress/checksum fields. Returns the data.
+
+    `checksum_type` is checksum.NONE or checksum.CRC32C (True counts as CRC32C). As C++ brpc,
+    checksum_with_attachment is written whenever it is asked for, with or without a checksum
+    or an attachment.
+    """
     data = compress.compress(compress_type, serialized) if compress_type else serialized
     meta.compress_type = compress_type
-    if with_checksum:
+    if checksum_type:
+        if checksum_type != checksum.CRC32C:
+            raise LocalProtocolError(f"unknown checksum type {checksum_type!r}")
         meta.checksum_type = checksum.CRC32C
-        if checksum_with_attachment and attachment is not None:
-            meta.checksum_value = checksum.compute(data, _fast.byte_view(attachment))
-            meta.checksum_with_attachment = True
-        else:
-            meta.checksum_value = checksum.compute(data)
+        covered = _fast.byte_view(attachment) if checksum_with_attachment and attachment is not None else None
+        meta.checksum_value = checksum.compute(data, covered)
+    if checksum_with_attachment:
+        meta.checksum_with_attachment = True
     return data
 
 

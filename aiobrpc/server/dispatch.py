@@ -94,7 +94,9 @@ def server_controller(ev, conn, entry: MethodEntry) -> Controller:
     if meta.compress_type:
         cntl.request_compress_type = meta.compress_type
     if meta.checksum_type:
-        cntl.request_checksum = True
+        cntl.request_checksum_type = meta.checksum_type
+    if meta.checksum_with_attachment:
+        cntl.request_checksum_with_attachment = True
     cntl.request_attachment = ev.attachment
     if meta.user_fields:
         cntl.request_user_fields = dict(meta.user_fields)
@@ -150,10 +152,10 @@ def success_response(request_meta, response, cntl: Controller) -> list:
     meta.error_code = 0
     meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
     attachment = cntl.response_attachment
-    if cntl.response_compress_type or cntl.response_checksum:
+    if cntl.response_compress_type or cntl.response_checksum_type or cntl.response_checksum_with_attachment:
         try:
             data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
-                                         cntl.response_checksum, cntl.response_checksum)
+                                         cntl.response_checksum_type, cntl.response_checksum_with_attachment)
         except ValueError as e:
             raise RpcError(ERESPONSE, str(e)) from None
     else:

@@ -9,6 +9,7 @@ import zlib
 
 import aiobrpc
 from aiobrpc._proto import interop_pb2
+from aiobrpc.protocol import checksum
 
 SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
 
@@ -58,8 +59,10 @@ class InteropEcho(aiobrpc.Servicer):
         if fields:
             resp.user_fields.extend(sorted(f"{k}={v}" for k, v in fields.items()))
             cntl.response_user_fields = dict(reversed(list(fields.items())))
-            if "x-interop-response-checksum" in fields:
-                cntl.response_checksum = True
+            asked = fields.get("x-interop-response-checksum")
+            if asked is not None:  # probe_server: "crc32c+attachment" covers the attachment too
+                cntl.response_checksum_type = checksum.CRC32C
+                cntl.response_checksum_with_attachment = asked.endswith("+attachment")
         cntl.response_compress_type = request.response_compress_type
         extra = extra_bytes(request.response_attachment_size)
         if request.echo_attachment and att or extra:
