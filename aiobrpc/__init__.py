@@ -21,9 +21,16 @@ __all__ = [
     "BackupRequestPolicy", "Channel", "ChannelOptions", "Controller", "FixedBackoffRetryPolicy",
     "JitteredBackoffRetryPolicy", "LatencyQuantileBackupPolicy", "LocalProtocolError",
     "RateLimitedBackupPolicy", "RemoteProtocolError", "RetryPolicy", "RetryThrottle", "RpcError",
-    "Server", "ServerOptions", "Servicer", "Stub", "errors", "event_loop_policy",
+    "Server", "ServerOptions", "Servicer", "Stub", "errors", "event_loop_policy", "implementation",
 ]
 __version__ = "0.1.0"
+
+
+def implementation() -> str:
+    """Which implementation of the hot path is active: "cython" (the compiled extensions) or
+    "python" (their pure twins: extensions not built, or AIOBRPC_NO_EXTENSIONS=1 set)."""
+    from . import _fast
+    return _fast.IMPLEMENTATION
 
 
 def event_loop_policy():

@@ -2,10 +2,12 @@
 
     aiobrpc demo [--seconds 5] [--concurrency 64] [--size 16] [--loop uvloop|asyncio]
     aiobrpc call 127.0.0.1:8000 example.EchoService/Echo --proto proto/echo.proto -d '{"message": "hi"}'
+    aiobrpc call list://10.0.0.1:8000,10.0.0.2:8000 example.EchoService/Echo --proto proto/echo.proto --lb rr
     aiobrpc serve-echo --port 8000
 
-Exit status: 0 success, 1 the RPC (or the server) failed, 2 usage error. User errors are
-reported in one line, never with a traceback.
+Exit status: 0 success, 1 the RPC (or the server) failed, 2 usage error. User errors and a
+failed call are reported in one line, never with a traceback; `call -v` adds what each
+attempt did and the library's log.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import asyncio
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
 
-from . import __version__, _fast
+from . import __version__, _fast, implementation
 from ._proto import echo_pb2
-from .client.channel import Channel, parse_address
+from .client import lb
+from .client.channel import Channel
+from .client.naming import is_naming_url
 from .controller import Controller
-from .errors import RpcError
+from .errors import RpcError, describe
 from .options import ChannelOptions, ServerOptions
 from .server.server import Server
 from .stub import Servicer, Stub, message_class
@@ -34,6 +39,13 @@ ECHO_SERVICE = echo_pb2.DESCRIPTOR.services_by_name["EchoService"]
 
 class UsageError(Exception):
     """Bad arguments found after parsing (address, files, JSON): exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage error in one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class EchoServiceImpl(Servicer):
@@ -214,24 +226,34 @@ def cmd_demo(args) -> int:
 
 
 # -- call ------------------------------------------------------------------------------------
+_RETRY = re.compile(r" \[R(\d+)\](?=\[E-?\d+\])")  # brpc's " [R<n>][E<code>]" before each retry's error
+
+
 def cmd_call(args) -> int:
     from google.protobuf import json_format
 
-    from .cli_proto import ProtoError, compile_proto, find_method
+    from .cli_proto import ProtoError, compile_proto, find_method, parse_request
 
+    logging.getLogger("aiobrpc").setLevel(logging.INFO if args.verbose else logging.ERROR)
+    naming = is_naming_url(args.address)
+    if args.lb is not None and not naming:
+        raise UsageError(f"--lb needs a naming service ADDR like 'list://host:port,...', got {args.address!r}")
     try:
-        parse_address(args.address)
+        channel = Channel(args.address, load_balancer=(args.lb or "rr") if naming else None)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    try:
         method = find_method(compile_proto(args.proto, args.include), args.method)
-    except (ProtoError, ValueError) as e:
+    except ProtoError as e:
         raise UsageError(str(e)) from None
     request = message_class(method.input_type)()
     try:
-        json_format.Parse(args.data, request)
-    except json_format.ParseError as e:
-        raise UsageError(f"bad request JSON for {method.input_type.full_name}: {e}") from None
+        parse_request(args.data, request)
+    except ProtoError as e:
+        raise UsageError(f"-d: {e}") from None
     missing = request.FindInitializationErrors()
     if missing:
-        raise UsageError(f"{method.input_type.full_name} lacks required fields: {', '.join(missing)}")
+        raise UsageError(f"-d: {method.input_type.full_name} lacks required fields: {', '.join(missing)}")
     attachment = None
     if args.attachment_file is not None:
         try:
@@ -244,10 +266,14 @@ def cmd_call(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        response = _run(_call(args.address, method, request, cntl))
+        response = _run(_call(channel, method, request, cntl))
     except RpcError as e:
-        print(e, file=sys.stderr)
+        if args.verbose:
+            _print_attempts(cntl)
+        print(f"call failed: {_one_line(e)}", file=sys.stderr)
         return 1
+    if args.verbose:
+        _print_attempts(cntl)
     print(json_format.MessageToJson(response, preserving_proto_field_name=True))
     if args.response_attachment_file is not None:
         try:
@@ -258,10 +284,38 @@ def cmd_call(args) -> int:
     return 0
 
 
-async def _call(address: str, method, request, cntl: Controller):
-    async with Channel(address) as channel:
+async def _call(channel: Channel, method, request, cntl: Controller):
+    async with channel:
         return await channel.call_method(method.containing_service.full_name, method.name, request,
                                          message_class(method.output_type), cntl)
+
+
+def _print_attempts(cntl: Controller) -> None:
+    for n, att in enumerate(cntl.attempts, 1):
+        code = att.error_code
+        result = "abandoned" if code is None else f"E{code} ({describe(code)})" if code else "ok"
+        print(f"attempt {n}: server={att.remote_side or '-'} correlation_id={att.correlation_id or '-'} "
+              f"result={result}{' (backup request)' if att.backup else ''}", file=sys.stderr)
+
+
+def _one_line(e: RpcError) -> str:
+    """`[E<code>]<text>` in one line, a run of retries that failed alike told once.
+
+    >>> _one_line(RpcError(112, "[E111]refused [R1][E112]down [R2][E112]down"))
+    '[E112][E111]refused [R1-R2][E112]down'
+    """
+    parts = _RETRY.split(" ".join(e.text.split()))
+    out = [f"[E{e.code}]{parts[0]}"]
+    runs: list[list] = []  # [first retry, last retry, text]
+    for i in range(1, len(parts), 2):
+        n, text = int(parts[i]), parts[i + 1]
+        if runs and runs[-1][2] == text and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n, text])
+    for first, last, text in runs:
+        out.append(f" [R{first}]{text}" if first == last else f" [R{first}-R{last}]{text}")
+    return "".join(out)
 
 
 # -- serve-echo ------------------------------------------------------------------------------
@@ -330,9 +384,29 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _load_balancer(text: str) -> str:
+    try:
+        name, _ = lb.parse_lb_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if name not in _load_balancers():
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(_load_balancers())})")
+    return text
+
+
+def _load_balancers() -> list[str]:
+    return sorted(lb._REGISTRY)
+
+
+def version() -> str:
+    """`aiobrpc 0.1.0 (compiled: cython)` or `(pure python)`: the version and the active hot path."""
+    impl = implementation()
+    return f"aiobrpc {__version__} ({'pure python' if impl == 'python' else f'compiled: {impl}'})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aiobrpc", description="brpc's baidu_std protocol on asyncio.")
-    parser.add_argument("--version", action="version", version=f"aiobrpc {__version__}")
+    parser = _Parser(prog="aiobrpc", description="brpc's baidu_std protocol on asyncio.")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="load an embedded echo server and print QPS and latency",
@@ -350,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("call", help="call one method, request and response as JSON",
                        description="Compile the .proto, call METHOD at ADDR with the JSON request, "
                                    "print the JSON response.")
-    p.add_argument("address", metavar="ADDR", help="server address, host:port")
+    p.add_argument("address", metavar="ADDR",
+                   help="host:port, [ipv6]:port, or a naming service URL such as list://host:port,host:port")
     p.add_argument("method", metavar="METHOD", help="package.Service/Method")
     p.add_argument("--proto", required=True, help=".proto file defining the service")
     p.add_argument("-I", "--proto-path", dest="include", action="append", default=[], metavar="DIR",
@@ -362,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attachment-file", metavar="PATH", help="send the bytes of PATH as the attachment")
     p.add_argument("--response-attachment-file", metavar="PATH",
                    help="write the response attachment to PATH")
+    p.add_argument("--lb", type=_load_balancer, default=None, metavar="NAME",
+                   help=f"load balancer of a naming service ADDR: {', '.join(_load_balancers())} (default rr)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print what each attempt did (server, correlation id, result) and the library's log")
     p.set_defaults(func=cmd_call)
 
     p = sub.add_parser("serve-echo", help="run an echo server until SIGINT/SIGTERM",

@@ -12,6 +12,8 @@ from ..transport.tcp import FramedConnection, RateLimitedLog
 
 log = logging.getLogger(__name__)
 _unknown_log = RateLimitedLog()
+_SHOWN_BYTES = 32  # of a peer that does not speak baidu_std
+_TEXT = frozenset(range(0x20, 0x7f)) | {0x09, 0x0a, 0x0d}
 
 
 class ClientStats:
@@ -104,6 +106,16 @@ class ClientConnection(FramedConnection):
                 stream_id=stream_id, frame_type=brpc_streaming_pb2.FRAME_TYPE_RST).SerializeToString()
             self.write([pack_header(b"STRM", len(meta), len(meta)) + meta])
 
+    def protocol_error(self, e: RemoteProtocolError) -> None:
+        if str(e).startswith("unknown protocol"):
+            # Name what the peer sent in words: an HTTP or TLS server is told by its first bytes.
+            rbuf = self.decoder.reader.rbuf
+            have = rbuf.available()
+            head = bytes(rbuf.peek(min(have, _SHOWN_BYTES)))
+            e = RemoteProtocolError(f"unknown protocol (not a brpc server?): first bytes "
+                                    f"{show_bytes(head, have > len(head))}", e.code)
+        super().protocol_error(e)
+
     def closed(self, exc: BaseException | None) -> None:
         self.stats.connections_lost += 1
         # The owner learns first (it marks the server failed), so that attempts retried from
@@ -123,3 +135,19 @@ class ClientConnection(FramedConnection):
             err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc!r}")
         for attempt in pending.values():
             attempt.on_failed(RpcError(err.code, err.text))
+
+
+def show_bytes(head: bytes, more: bool = False) -> str:
+    r"""`head` quoted as text when it is printable ASCII, else in hex; `...` when `more` follow.
+
+    >>> print(show_bytes(b"HTTP/1.1 400 Bad Request\r\n", more=True))
+    "HTTP/1.1 400 Bad Request\r\n"...
+    >>> print(show_bytes(bytes([22, 3, 1])))
+    160301 (hex)
+    """
+    tail = "..." if more else ""
+    if head and _TEXT.issuperset(head):
+        text = head.decode("ascii").replace("\\", "\\\\").replace('"', '\\"')
+        text = text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+        return f'"{text}"{tail}'
+    return f"{head.hex()}{tail} (hex)"

@@ -22,6 +22,7 @@ import errno
 import inspect
 import logging
 import os
+import socket
 
 from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, EREQUEST, ERPCTIMEDOUT,
                       ETIMEDOUT, RpcError)
@@ -109,6 +110,9 @@ class ServerPool:
                     raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
                 raise RpcError(ETIMEDOUT, f"Fail to connect {self.address}: timed out after "
                                           f"connect_timeout_ms={opts.connect_timeout_ms}") from None
+            except (socket.gaierror, UnicodeError) as e:  # UnicodeError: a malformed name (idna)
+                raise RpcError(EHOSTUNREACH, f"Fail to connect {self.address}: "
+                                             f"{_unresolvable(self.host, e)}") from None
             except OSError as e:
                 code = {errno.ECONNREFUSED: ECONNREFUSED, errno.ENETUNREACH: ENETUNREACH,
                         errno.EHOSTUNREACH: EHOSTUNREACH}.get(e.errno, EFAILEDSOCKET)
@@ -251,7 +255,7 @@ class ServerPool:
                 timeout = opts.health_check_timeout_ms / 1000 if opts.health_check_timeout_ms >= 0 else None
                 try:
                     transport, _ = await open_connection(loop, asyncio.Protocol, self.host, self.port, timeout)
-                except (OSError, asyncio.TimeoutError):
+                except (OSError, UnicodeError, asyncio.TimeoutError):
                     wait = min(wait * 2, opts.health_check_interval_s)
                     await asyncio.sleep(wait)
                     continue
@@ -303,6 +307,15 @@ class ServerPool:
     def __repr__(self) -> str:
         state = "up" if self.available else "logged off" if self.logged_off else "down"
         return f"<ServerPool {self.address} {state} {len(self.connections)} connections>"
+
+
+def _unresolvable(host: str, e: Exception) -> str:
+    """Why `host` has no address, in words (not gaierror's bare number)."""
+    if isinstance(e, socket.gaierror):
+        reason = e.strerror or f"getaddrinfo error {e.errno}"
+    else:
+        reason = "not a valid host name"
+    return f"cannot resolve host {host!r}: {reason}"
 
 
 async def _credential(auth, address: str) -> bytes:

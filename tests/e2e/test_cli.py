@@ -14,13 +14,25 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+import aiobrpc
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ECHO_PROTO = ["--proto", str(ROOT / "proto" / "echo.proto"), "-I", str(ROOT / "proto")]
 ECHO = "example.EchoService/Echo"
+HTTP_400 = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+NESTED_PROTO = """
+syntax = "proto3";
+package t;
+enum Color { RED = 0; GREEN = 1; }
+message Inner { int32 sleep_ms = 1; Color color = 2; }
+message Req { Inner inner = 1; repeated Inner items = 2; }
+service S { rpc M(Req) returns (Req); }
+"""
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="signals and select() on pipes")
 
@@ -64,6 +76,52 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def http_peer():
+    """A server that answers every connection with an HTTP 400, as a web server would."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                try:
+                    conn.settimeout(5)
+                    if conn.recv(1):
+                        conn.sendall(HTTP_400)
+                        conn.shutdown(socket.SHUT_WR)
+                        while conn.recv(4096):
+                            pass
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(10)
+        listener.close()
+
+
+def attempt_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("attempt ")]
+
+
+def test_version_names_the_implementation(env, twin):
+    done = run_cli(env, "--version")
+    assert done.returncode == 0, done.stderr
+    expected = "compiled: cython" if twin == "cython" else "pure python"
+    assert done.stdout == f"aiobrpc {aiobrpc.__version__} ({expected})\n"
+    assert aiobrpc.implementation() == twin
+
+
 def test_demo_prints_a_summary(env, twin):
     start = time.monotonic()
     done = run_cli(env, "demo", "--seconds", "1", "--concurrency", "8", "--size", "64")
@@ -96,38 +154,130 @@ def test_call_timeout_exits_1_with_brpc_code(env, echo_server):
                    "--timeout-ms", "50")
     assert done.returncode == 1
     assert done.stdout == ""
-    assert re.fullmatch(r"\[E1008\]Reached timeout=50ms @127\.0\.0\.1:\d+\n", done.stderr), done.stderr
+    assert re.fullmatch(r"call failed: \[E1008\]Reached timeout=50ms @127\.0\.0\.1:\d+\n", done.stderr), done.stderr
 
 
-def test_call_closed_port_exits_1(env):
+def test_call_closed_port_exits_1_in_one_line(env):
     done = run_cli(env, "call", f"127.0.0.1:{closed_port()}", ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}')
     assert done.returncode == 1
-    # The refused connect marks the server failed (one warning), so the retries brpc makes
-    # by default find it down: EHOSTDOWN with every attempt's error, as a C++ client reports.
-    warning, error = done.stderr.splitlines()
-    assert re.fullmatch(r"WARNING aiobrpc\.client\.pool: server 127\.0\.0\.1:\d+ is marked failed .*", warning)
-    assert re.fullmatch(r"\[E112\]\[E111\]Fail to connect 127\.0\.0\.1:\d+: Connection refused "
-                        r"\[R1\]\[E112\]Not connected to .* \[R3\]\[E112\].*", error), error
+    # The refused connect marks the server failed, so the retries brpc makes by default find
+    # it down: EHOSTDOWN, the first error, then the three retries that failed alike, told once.
+    assert re.fullmatch(r"call failed: \[E112\]\[E111\]Fail to connect 127\.0\.0\.1:\d+: Connection refused "
+                        r"\[R1-R3\]\[E112\]Not connected to 127\.0\.0\.1:\d+ yet: the server is down, "
+                        r"health check running\n", done.stderr), done.stderr
+
+
+def test_call_verbose_lists_the_attempts_and_the_log(env):
+    done = run_cli(env, "call", f"127.0.0.1:{closed_port()}", ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}', "-v")
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert re.fullmatch(r"WARNING aiobrpc\.client\.pool: server 127\.0\.0\.1:\d+ is marked failed .*", lines[0])
+    assert re.fullmatch(r"attempt 1: server=127\.0\.0\.1:\d+ correlation_id=- result=E111 \(Connection refused\)",
+                        lines[1])
+    assert lines[2:5] == [f"attempt {n}: server=- correlation_id=- result=E112 (Host is down)" for n in (2, 3, 4)]
+    assert lines[5].startswith("call failed: [E112][E111]")
+    assert len(lines) == 6
+
+
+def test_call_list_url_skips_a_dead_server(env, echo_server):
+    _, address = echo_server
+    url = f"list://127.0.0.1:{closed_port()},{address}"
+    done = run_cli(env, "call", url, ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}', "--timeout-ms", "5000")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"message": "hi"}
+    assert done.stderr == ""  # the dead server's warning is the library's log: only with -v
+    done = run_cli(env, "call", url, ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}', "--timeout-ms", "5000",
+                   "--lb", "rr", "-v")
+    assert done.returncode == 0, done.stderr
+    attempts = attempt_lines(done.stderr)
+    assert 1 <= len(attempts) <= 2, done.stderr
+    assert re.fullmatch(rf"attempt {len(attempts)}: server={address} correlation_id=1 result=ok", attempts[-1])
+    if len(attempts) == 2:  # rr started at the dead server: refused, retried on the other
+        assert attempts[0].endswith("result=E111 (Connection refused)")
+
+
+def test_call_accepts_an_ipv6_address(env):
+    port = closed_port()
+    done = run_cli(env, "call", f"[::1]:{port}", ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}')
+    assert done.returncode == 1  # refused, or no IPv6 here: either way the address was taken
+    assert re.match(rf"call failed: \[E\d+\](\[E\d+\])?Fail to connect \[::1\]:{port}: ", done.stderr), done.stderr
+
+
+@pytest.mark.parametrize("host, why", [("nonexistent.invalid", "[A-Z][a-z]+ .*"),  # the resolver's words
+                                       ("127.0.0..1", "not a valid host name")], ids=["unknown", "malformed"])
+def test_call_unresolvable_host_exits_1_without_retry(env, host, why):
+    done = run_cli(env, "call", f"{host}:8000", ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}', "-v",
+                   "--timeout-ms", "-1")
+    assert done.returncode == 1
+    assert re.fullmatch(f"call failed: \\[E113\\]Fail to connect {re.escape(host)}:8000: "
+                        f"cannot resolve host '{re.escape(host)}': {why}", done.stderr.splitlines()[-1]), done.stderr
+    assert "Unknown error" not in done.stderr
+    assert attempt_lines(done.stderr) == [f"attempt 1: server={host}:8000 correlation_id=- "
+                                          f"result=E113 (No route to host)"]
+
+
+def test_call_non_brpc_peer_shows_its_first_bytes_once(env, http_peer):
+    done = run_cli(env, "call", http_peer, ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}')
+    assert done.returncode == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"call failed: [E112][E1009]Broken connection to {http_peer}: unknown protocol "
+                                  '(not a brpc server?): first bytes "HTTP/1.1 400 Bad Request\\r\\n')
+    assert done.stderr.count("first bytes") == 1
+
+
+def call_args(address: str = "127.0.0.1:8000", data: str = '{"message": "hi"}', *more: str) -> list[str]:
+    return ["call", address, ECHO, *ECHO_PROTO, "-d", data, *more]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["call", "localhost", ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}'], "host:port"),
+    (call_args("localhost"), "address must look like 'host:port'"),
+    (call_args("list://127.0.0.1:1,127.0.0..1:2"), "bad server entry '127.0.0..1:2'"),
+    (call_args("list://127.0.0.1:1,[::1]2"), "bad server entry '[::1]2'"),
+    (call_args("dns://example.invalid"), "unknown naming service dns://"),
+    (call_args("list://127.0.0.1:1", "{}", "--lb", "wrr"), "argument --lb: invalid choice: 'wrr' (choose from rr)"),
+    (call_args("127.0.0.1:1", "{}", "--lb", "rr"), "--lb needs a naming service ADDR"),
+    (call_args("list://127.0.0.1:1", "{}", "--lb", "rr:hold_seconds=5"), "give both min_working_instances"),
     (["call", "127.0.0.1:8000", ECHO, "--proto", "missing.proto"], "proto file not found: missing.proto"),
-    (["call", "127.0.0.1:8000", ECHO, *ECHO_PROTO, "-d", '{"message": '], "bad request JSON"),
-    (["call", "127.0.0.1:8000", ECHO, *ECHO_PROTO, "-d", '{"mesage": "hi"}'], 'no field named "mesage"'),
-    (["call", "127.0.0.1:8000", ECHO, *ECHO_PROTO, "-d", "{}"], "lacks required fields: message"),
+    (call_args(data='{"message": '), "-d: invalid JSON at line 1, column 13: Expecting value"),
+    (call_args(data='{"message": "hi",\n "sleep_ms": }'), "-d: invalid JSON at line 2, column 14"),
+    (call_args(data='{"message": "a", "message": "b"}'), '-d: duplicate key "message"'),
+    (call_args(data='{"mesage": "hi"}'), '-d: example.EchoRequest has no field named "mesage" '
+                                         "(fields: message, sleep_ms)"),
+    (call_args(data='{"message": "hi", "sleep_ms": "abc"}'), '-d: field "sleep_ms": expected an integer, got "abc"'),
+    (call_args(data='{"message": "hi", "sleepMs": 1.5}'), '-d: field "sleepMs": expected an integer, got 1.5'),
+    (call_args(data='{"message": "hi", "sleep_ms": 3000000000}'),
+     '-d: field "sleep_ms": expected an integer in -2147483648..2147483647, got 3000000000'),
+    (call_args(data='{"message": 7}'), '-d: field "message": expected a string, got 7'),
+    (call_args(data="[1]"), "-d: expected an object (example.EchoRequest), got [1]"),
+    (call_args(data="{}"), "-d: example.EchoRequest lacks required fields: message"),
     (["call", "127.0.0.1:8000", "example.EchoService/Ping", *ECHO_PROTO], "no method 'Ping'"),
+    (["call", "127.0.0.1:8000"], "the following arguments are required: METHOD, --proto"),
     (["demo", "--seconds", "0"], "--seconds: must be > 0"),
-], ids=["address", "proto", "json", "field", "required", "method", "seconds"])
+], ids=["address", "list-entry", "list-ipv6", "scheme", "lb", "lb-plain", "lb-params", "proto", "json", "json-line",
+        "duplicate", "field", "int", "int-json-name", "int-range", "string", "not-object", "required", "method",
+        "missing-args", "seconds"])
 def test_user_errors_exit_2_in_one_line(env, args, message):
     done = run_cli(env, *args)
     assert done.returncode == 2
     assert done.stdout == ""
-    last = done.stderr.splitlines()[-1]
-    assert message in last, done.stderr
-    assert "Traceback" not in done.stderr
-    if args[0] == "call":
-        assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"aiobrpc {args[0]}: error: "), done.stderr
+    assert message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("data, message", [
+    ('{"inner": {"sleep_ms": "abc"}}', 'field "inner.sleep_ms": expected an integer, got "abc"'),
+    ('{"items": [{}, {"color": "BLUE"}]}', 'field "items[1].color": expected one of RED, GREEN (t.Color), got "BLUE"'),
+    ('{"items": {}}', 'field "items": expected a list of t.Inner objects, got {}'),
+    ('{"inner": {"nope": 1}}', 'field "inner": t.Inner has no field named "nope" (fields: sleep_ms, color)'),
+    ('{"inner": 3}', 'field "inner": expected an object (t.Inner), got 3'),
+], ids=["nested", "enum", "list", "nested-name", "object"])
+def test_json_errors_name_the_nested_field(env, tmp_path, data, message):
+    proto = tmp_path / "nested.proto"
+    proto.write_text(NESTED_PROTO)
+    done = run_cli(env, "call", "127.0.0.1:8000", "t.S/M", "--proto", str(proto), "-d", data)
+    assert done.returncode == 2
+    assert done.stderr == f"aiobrpc call: error: -d: {message}\n"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
