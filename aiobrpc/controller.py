@@ -37,6 +37,76 @@ class Controller:
     Compression and checksums are per direction, as in C++ brpc: the side that sends a message
     sets its `*_compress_type` / `*_checksum_type` / `*_checksum_with_attachment`, and the
     side that receives it finds there what the message's meta declared.
+
+    **Attachments** are raw bytes that travel after the message, never parsed or copied. To send
+    one, set `request_attachment` (client) or `response_attachment` (handler) to any
+    C-contiguous buffer: `bytes`, `bytearray`, `memoryview`, a numpy array. It is referenced,
+    not copied, until it is written to the socket (again for each retry and backup), so do not
+    change it while the call is in flight. A buffer that is not C-contiguous (a transposed or
+    strided numpy view) fails the call with EREQUEST; send `np.ascontiguousarray(a)` instead.
+    A received attachment (`request_attachment` in a handler, `response_attachment` after a
+    successful call) is a `memoryview` of the connection's receive buffer, empty when the
+    message had none. It stays valid for as long as it is referenced: the buffer is never
+    reused while a view of it is alive. Holding it keeps that whole buffer alive (a 256 KiB
+    block shared with other small messages, or the message's own buffer for one over 64 KiB),
+    so copy what you keep for long: `bytes(view)`, or `.copy()` of an `np.frombuffer(view,
+    dtype)` array. The view may not be aligned for the dtype, which numpy handles.
+
+    Attributes:
+        log_id (int | None): Client: an id sent with the request for tracing (0..2**64-1).
+            Server: the request's log_id, or None.
+        timeout_ms (int | None): Client: this call's deadline, overriding
+            `ChannelOptions.timeout_ms` (-1: none). Server: the time the client had left when it
+            sent the request, when it sends one (`deliver_timeout_ms`), else None.
+        request_id (str | None): Client: a request id sent in the meta. Server: the request's.
+        max_retry (int | None): Client: overrides `ChannelOptions.max_retry` for this call.
+        backup_request_ms (int | None): Client: overrides `ChannelOptions.backup_request_ms`
+            for this call.
+        connection_type (str | None): Client: overrides `ChannelOptions.connection_type` for
+            this call.
+        idempotent (bool | None): Client: False never repeats this call once the request may
+            have reached the server (no retry after sending, no backup); None: the channel's
+            `non_idempotent_methods` decide.
+        request_compress_type (int): Client: how the request data is compressed (0 none,
+            1 snappy, 2 gzip, 3 zlib). Server: what the request declared.
+        response_compress_type (int): Server: how the handler wants its response compressed.
+            Client: what the response declared (0 after a failure).
+        request_checksum_type (int): Client: 1 (CRC32C) to send a request checksum, 0 none.
+            Server: what the request declared.
+        request_checksum_with_attachment (bool): Whether the request checksum also covers the
+            attachment (client sets, server reads).
+        response_checksum_type (int): Server: 1 (CRC32C) to send a response checksum. Client:
+            what the response declared (the client has verified it).
+        response_checksum_with_attachment (bool): Whether the response checksum also covers
+            the attachment (server sets, client reads).
+        request_content_type (int): Client: how the request message is serialized: 0 protobuf
+            (the default), 1 JSON, 2 proto-JSON, 3 proto text.
+        request_attachment (Any): Client: the buffer to send after the request (see above).
+            Server: the received attachment, a memoryview.
+        response_attachment (Any): Server: the buffer to send after the response (see above).
+            Client: after a successful call, the received attachment, a memoryview; None before
+            a call and after a failed one.
+        request_user_fields (dict[str, str]): Client: string pairs sent in the request meta
+            (brpc's user fields). Server: the request's.
+        response_user_fields (dict[str, str]): Server: string pairs sent in the response meta.
+            Client: the response's.
+        authentication_data (bytes | None): Server: the credential the connection's first
+            request carried (`ServerOptions.auth`).
+        failed (bool): Whether the call failed (`error_code != 0`).
+        error_code (int): The brpc error code of a failed call (0: none); see `aiobrpc.errors`.
+        error_text (str): What went wrong; with retries, brpc's form
+            `[E<first>]<text> [R1][E<code>]<text> ...`.
+        latency_us (int): Client: the call's duration in microseconds, every attempt included.
+        remote_side (str): "ip:port" of the peer: the server of the attempt that ended the call,
+            or the client of the request.
+        local_side (str): "ip:port" of this end of that connection.
+        retried_count (int): Client: attempts after the first (retries and the backup request).
+        has_backup_request (bool): Client: whether a backup request was sent.
+        attempts (list[AttemptInfo]): Client: what each attempt of the last call did (server,
+            correlation id, error code or None if abandoned, whether it was the backup).
+        service_name (str): The service's full name ("example.EchoService").
+        method_name (str): The method's name ("Echo").
+        correlation_id (int): The id that matched the request and its response on the wire.
     """
 
     # Defaults live on the class, so a Controller made for each call (and for each request
