@@ -101,10 +101,8 @@ class ServerPool:
                 timeout, rpc_limited = remaining, True
         try:
             try:
-                _, conn = await open_connection(
-                    loop, lambda: ClientConnection(self.stats, opts.max_body_size, opts.max_unwritten_bytes,
-                                                   self._connection_lost, ctype),
-                    self.host, self.port, timeout)
+                _, conn = await open_connection(loop, lambda: self._new_connection(ctype), self.host, self.port,
+                                                timeout)
             except asyncio.TimeoutError:
                 if rpc_limited:
                     raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
@@ -140,6 +138,13 @@ class ServerPool:
         self.connections.add(conn)
         if ctype == SINGLE:
             self.single = conn
+        return conn
+
+    def _new_connection(self, ctype: str) -> ClientConnection:
+        opts = self.options
+        conn = ClientConnection(self.stats, opts.max_body_size, opts.max_unwritten_bytes, self._connection_lost,
+                                ctype)
+        conn.peer = self.address  # until the transport tells the peer's own address
         return conn
 
     def _connect_failed(self, code: int, text: str, ctype: str) -> None:

@@ -87,7 +87,9 @@ class FramedConnection(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:  # not TCP (a unix socket in a test); nothing to tune
                 pass
-        self.peer = _fmt(transport.get_extra_info("peername"))
+        # No peername when the peer reset the connection before the transport was made: keep
+        # the address the creator set.
+        self.peer = _fmt(transport.get_extra_info("peername")) or self.peer
         self.local = _fmt(transport.get_extra_info("sockname"))
         self.connection_made_hook()
 
