@@ -81,6 +81,9 @@ class ServerPool:
             raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
         if ctype != SINGLE:
             return await self._connect(loop, deadline, ctype)
+        conn = self.ready(SINGLE)
+        if conn is not None:  # made while this caller's task waited for its turn
+            return conn
         if self._connecting is None:
             self._connecting = loop.create_task(self._connect(loop, None, SINGLE))
         task = self._connecting

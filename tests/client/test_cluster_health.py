@@ -334,7 +334,7 @@ async def test_twenty_thousand_calls_into_a_blackhole_leave_nothing_behind():
         gc.collect()
         assert rss() - rss_before < 8 << 20, (rss_before, rss())
         assert channel.pending_calls() == 0 and channel.stats.timeouts == 20_000
-        assert channel.connection_count() == 1 and proxy.connections_accepted == 1
+        assert channel.connection_count() == 1 and proxy.connections_accepted == 1, channel.stats
         assert proxy.bytes_discarded > 20_000 * 20
     await asyncio.sleep(0)
     assert new_fds(fds_before) == {}

@@ -1,5 +1,6 @@
-"""connect_timeout_ms counts the network's time, not a blocked event loop's: a handshake that
-completed in the kernel while the loop was busy is used, never reported as a timeout."""
+"""Connecting: connect_timeout_ms counts the network's time, not a blocked event loop's (a
+handshake that completed in the kernel while the loop was busy is used, never reported as a
+timeout), and a single connection is made once however late a caller asks for it."""
 
 from __future__ import annotations
 
@@ -76,3 +77,14 @@ async def test_the_channel_reports_a_connect_timeout_as_etimedout():
         for s in fillers:
             s.close()
         listener.close()
+
+
+async def test_a_caller_that_asks_after_the_single_connection_is_made_reuses_it():
+    # Under load a call's connect task may first run after another call's connect finished.
+    async with running_echo() as (server, _), \
+            aiobrpc.Channel(f"127.0.0.1:{server.port}", aiobrpc.ChannelOptions()) as channel:
+        (pool,) = channel.pools.values()
+        loop = asyncio.get_running_loop()
+        first = await pool.connect(loop, None, "single")
+        assert await pool.connect(loop, None, "single") is first
+        assert channel.connection_count() == 1 and channel.stats.connections_made == 1
