@@ -5,6 +5,7 @@ timeout), and a single connection is made once however late a caller asks for it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -30,25 +31,31 @@ async def test_a_loop_blocked_past_the_connect_timeout_still_connects():
     assert servicer.calls_served == 1
 
 
-async def test_a_handshake_that_never_completes_times_out():
+@contextlib.contextmanager
+def full_accept_queue():
+    """(host, port) of a listener whose accept queue is full: Linux drops every further SYN."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=0)
     fillers = []
     try:
-        # A full accept queue: the kernel answers no further SYN (Linux drops it).
         for _ in range(8):
             s = socket.socket()
+            fillers.append(s)
             s.setblocking(False)
             s.connect_ex(listener.getsockname())
-            fillers.append(s)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        with pytest.raises(asyncio.TimeoutError):
-            await open_connection(loop, asyncio.Protocol, *listener.getsockname(), timeout=0.2)
-        assert 0.15 < loop.time() - t0 < 2.0
+        yield listener.getsockname()
     finally:
         for s in fillers:
             s.close()
         listener.close()
+
+
+async def test_a_handshake_that_never_completes_times_out():
+    with full_accept_queue() as (host, port):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(asyncio.TimeoutError):
+            await open_connection(loop, asyncio.Protocol, host, port, timeout=0.2)
+        assert 0.15 < loop.time() - t0 < 2.0
 
 
 async def test_a_refused_connect_fails_at_once():
@@ -59,24 +66,12 @@ async def test_a_refused_connect_fails_at_once():
 
 
 async def test_the_channel_reports_a_connect_timeout_as_etimedout():
-    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
-    fillers = []
-    try:
-        for _ in range(8):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(listener.getsockname())
-            fillers.append(s)
-        host, port = listener.getsockname()
-        opts = aiobrpc.ChannelOptions(connect_timeout_ms=100, timeout_ms=3000, max_retry=0)
+    opts = aiobrpc.ChannelOptions(connect_timeout_ms=100, timeout_ms=3000, max_retry=0)
+    with full_accept_queue() as (host, port):
         async with aiobrpc.Channel(f"{host}:{port}", opts) as channel:
             with pytest.raises(aiobrpc.RpcError) as e:
                 await aiobrpc.Stub(channel, SERVICE).Echo(interop_pb2.EchoRequest(message="x"))
             assert e.value.code == errors.ETIMEDOUT
-    finally:
-        for s in fillers:
-            s.close()
-        listener.close()
 
 
 async def test_a_caller_that_asks_after_the_single_connection_is_made_reuses_it():
