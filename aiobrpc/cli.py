@@ -232,7 +232,8 @@ _RETRY = re.compile(r" \[R(\d+)\](?=\[E-?\d+\])")  # brpc's " [R<n>][E<code>]" b
 def cmd_call(args) -> int:
     from google.protobuf import json_format
 
-    from .cli_proto import ProtoError, compile_proto, find_method, parse_request
+    from .cli_json import parse_request
+    from .cli_proto import ProtoError, compile_proto, find_method
 
     logging.getLogger("aiobrpc").setLevel(logging.INFO if args.verbose else logging.ERROR)
     naming = is_naming_url(args.address)
