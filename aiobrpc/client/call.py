@@ -340,7 +340,9 @@ class Call:
         self._exclude(att)
         self.retried += 1
         self.channel.stats.retries += 1
-        remaining_ms = float("inf") if self.deadline is None else (self.deadline - self.loop.time()) * 1000
+        # Rounded to the microsecond: uvloop's clock moves in whole milliseconds, and without
+        # rounding a retry in the call's first millisecond is told 300.0000000001 of 300 ms.
+        remaining_ms = float("inf") if self.deadline is None else round((self.deadline - self.loop.time()) * 1000, 3)
         policy = self.channel.options.retry_policy or _DEFAULT_RETRY_POLICY
         self.cntl.retried_count = self.retried
         backoff_ms = policy.backoff_ms(self.cntl, remaining_ms)
