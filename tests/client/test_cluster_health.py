@@ -274,10 +274,11 @@ async def test_circuit_breaker_isolates_a_server_that_never_answers(cluster):
     the deadline ended as ERPCTIMEDOUT, so a blackholed server is isolated too."""
     async with FaultProxy(("127.0.0.1", cluster[0][0].port), blackhole=True) as proxy:
         channel, stub = cluster_channel([proxy.address, *addresses_of(cluster)[1:]],
-                                        enable_circuit_breaker=True, timeout_ms=20, max_retry=0)
+                                        enable_circuit_breaker=True, timeout_ms=300, max_retry=0)
         try:
             # Connected first: on a loaded machine calls that end while their connect is still
-            # in flight would not count against the blackholed server.
+            # in flight would not count against the blackholed server. The deadline is long
+            # enough for the healthy servers to answer 200 calls on a loaded machine.
             await channel.connect()
             for _ in range(4):  # 151 timeouts on the blackholed server trip its breaker
                 await asyncio.gather(*[stub.Echo(Req(message="x")) for _ in range(200)],
