@@ -29,9 +29,13 @@ cdef extern from "Python.h":
 cdef extern from *:
     """
     #define aiobrpc_buffer_obj(view) ((view)->obj)
+    #define aiobrpc_view_released(mv) \
+        ((((PyMemoryViewObject*)(mv))->flags & _Py_MEMORYVIEW_RELEASED) != 0)
     """
     # The exporter under a view, or NULL (Cython's own Py_buffer.obj is an object, never NULL).
     PyObject* _buffer_obj "aiobrpc_buffer_obj" (Py_buffer*)
+    # A released view's buffer and exporter may be gone.
+    bint _view_released "aiobrpc_view_released" (object)
 
 KIND_PRPC = 1
 KIND_STRM = 2
@@ -137,7 +141,8 @@ def split_payload(payload, attachment_size):
     cdef long long att
     cdef int overflow = 0
     cdef Py_ssize_t cut
-    if type(payload) is not memoryview or type(attachment_size) is not int:
+    if (type(payload) is not memoryview or type(attachment_size) is not int
+            or _view_released(payload)):
         return framing_py.split_payload(payload, attachment_size)
     v = PyMemoryView_GET_BUFFER(payload)
     owner = _buffer_obj(v)

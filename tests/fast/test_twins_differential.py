@@ -390,11 +390,17 @@ def test_frame_reader_feed_path_agrees(stream, cuts, keep_every, drain_between):
 BLOCK = bytearray(range(256)) * 4
 
 
+def released() -> memoryview:
+    view = memoryview(bytearray(100))
+    view.release()  # its bytearray is gone: the compiled twin must not look at it
+    return view
+
+
 @pytest.mark.parametrize("payload", [
     memoryview(BLOCK)[100:400], memoryview(BLOCK), memoryview(BLOCK)[5:5], memoryview(BLOCK)[::2],
     memoryview(BLOCK).cast("c")[10:50], memoryview(BLOCK).cast("B", (32, 32)),
     memoryview(bytes(BLOCK))[1:9], memoryview(array.array("h", [1, 2, 3, 4])), b"abcd",
-    bytearray(b"abcd"), None], ids=lambda p: type(p).__name__)
+    bytearray(b"abcd"), None, released()], ids=lambda p: type(p).__name__)
 @pytest.mark.parametrize("att", [0, 1, 2, 75, 76, 100, 300, 301, -1, 1 << 70, True, 2.0, "1",
                                  Code.SMALL])
 def test_split_payload_agrees(payload, att):
