@@ -45,12 +45,13 @@ class Controller:
     change it while the call is in flight. A buffer that is not C-contiguous (a transposed or
     strided numpy view) fails the call with EREQUEST; send `np.ascontiguousarray(a)` instead.
     A received attachment (`request_attachment` in a handler, `response_attachment` after a
-    successful call) is a `memoryview` of the connection's receive buffer, empty when the
-    message had none. It stays valid for as long as it is referenced: the buffer is never
-    reused while a view of it is alive. Holding it keeps that whole buffer alive (a 256 KiB
-    block shared with other small messages, or the message's own buffer for one over 64 KiB),
-    so copy what you keep for long: `bytes(view)`, or `.copy()` of an `np.frombuffer(view,
-    dtype)` array. The view may not be aligned for the dtype, which numpy handles.
+    successful call) is a writable `memoryview`, empty when the message had none, valid for as
+    long as it is referenced. A large one, at least a quarter of the buffer the message was
+    received into (the 256 KiB block shared with other messages, or the message's own buffer
+    when over 64 KiB), is a view of that buffer, not copied; a smaller one is a view of its own
+    copy. So keeping one keeps at most 4 times its size alive; to keep only a large one's
+    bytes, copy them: `bytes(view)`, or `.copy()` of an `np.frombuffer(view, dtype)` array.
+    The view may not be aligned for the dtype, which numpy handles.
 
     Attributes:
         log_id (int | None): Client: an id sent with the request for tracing (0..2**64-1).

@@ -10,6 +10,9 @@ CPUs; this isolates one side at a time so a change to the hot path shows in micr
   the next loop iteration (a prebuilt reply with the correlation id patched in); `--concurrency`
   callers in a closed loop.
 
+`--attachment N` puts an N-byte attachment on every request (server side; the handler echoes
+it) and on every reply (client side), so the cost of receiving one shows.
+
     python bench/hotpath.py                      # both sides, both twins, uvloop
     python bench/hotpath.py --side server --profile   # cProfile of the server side
     python bench/hotpath.py --loop asyncio
@@ -106,18 +109,19 @@ def _echo_service():
     return Echo(), echo_pb2
 
 
-def _request_frame(echo_pb2, cid: int) -> bytes:
+def _request_frame(echo_pb2, cid: int, attachment: bytes = b"") -> bytes:
     from aiobrpc.protocol import baidu_std
     meta = _fast.RpcMeta()
     meta.has_request = True
     meta.service_name = "example.EchoService"
     meta.method_name = "Echo"
     meta.correlation_id = cid
-    bufs = baidu_std.pack(meta, echo_pb2.EchoRequest(message="x" * 16).SerializeToString())
+    bufs = baidu_std.pack(meta, echo_pb2.EchoRequest(message="x" * 16).SerializeToString(),
+                          attachment or None)
     return b"".join(bytes(b) for b in bufs)
 
 
-async def server_side(calls: int, batch: int) -> float:
+async def server_side(calls: int, batch: int, attachment: int = 0) -> float:
     import aiobrpc
     from aiobrpc.server.connection import ServerConnection
 
@@ -137,7 +141,7 @@ async def server_side(calls: int, batch: int) -> float:
 
     conn = ServerConnection(server)
     conn.connection_made(FakeTransport(on_write))
-    chunk = b"".join(_request_frame(echo_pb2, i + 1) for i in range(batch))
+    chunk = b"".join(_request_frame(echo_pb2, i + 1, b"a" * attachment) for i in range(batch))
 
     def feed():
         deliver(conn, chunk)
@@ -154,7 +158,7 @@ async def server_side(calls: int, batch: int) -> float:
     return elapsed / calls * 1e6
 
 
-async def client_side(calls: int, concurrency: int) -> float:
+async def client_side(calls: int, concurrency: int, attachment: int = 0) -> float:
     import aiobrpc
     from aiobrpc.client.connection import ClientConnection
 
@@ -168,7 +172,8 @@ async def client_side(calls: int, concurrency: int) -> float:
     meta.correlation_id = 0xFFFFFFFF  # 5 varint bytes; patched per reply below
     from aiobrpc.protocol import baidu_std
     reply = bytearray(b"".join(bytes(b) for b in baidu_std.pack(
-        meta, echo_pb2.EchoResponse(message="x" * 16).SerializeToString())))
+        meta, echo_pb2.EchoResponse(message="x" * 16).SerializeToString(),
+        b"a" * attachment or None)))
     cid_at = reply.find(b"\xff\xff\xff\xff\x0f")
     # Replies prebuilt for every correlation id the run will use (ids are issued in order),
     # so the fake peer costs a list slice per loop iteration, not an encode per call.
@@ -222,9 +227,10 @@ def run(side: str, args) -> float:
         loop = new_loop()
         try:
             if side == "server":
-                us = loop.run_until_complete(server_side(args.calls, args.batch))
+                us = loop.run_until_complete(server_side(args.calls, args.batch, args.attachment))
             else:
-                us = loop.run_until_complete(client_side(args.calls, args.concurrency))
+                us = loop.run_until_complete(
+                    client_side(args.calls, args.concurrency, args.attachment))
         finally:
             loop.close()
         best = min(best, us)
@@ -238,6 +244,8 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=100_000)
     p.add_argument("--batch", type=int, default=32, help="server: requests per read")
     p.add_argument("--concurrency", type=int, default=128, help="client: callers")
+    p.add_argument("--attachment", type=int, default=0,
+                   help="bytes of attachment on each request and reply (default none)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--twins", default=",".join(_fast.available()))
     p.add_argument("--profile", action="store_true", help="cProfile one run (first twin)")
@@ -257,7 +265,8 @@ def main(argv=None) -> None:
         _fast.use(twin)
         for side in sides:
             us = run(side, args)
-            print(f"{side:6} {twin:6} {args.loop:7} {us:6.2f} us/call")
+            att = f" att={args.attachment}B" if args.attachment else ""
+            print(f"{side:6} {twin:6} {args.loop:7}{att} {us:6.2f} us/call")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""numpy arrays as attachments: sent without a copy, received as a view of the receive buffer.
+"""numpy arrays as attachments: sent without a copy, a large one received without a copy too.
 
     python examples/numpy_attachments.py
 
@@ -8,9 +8,10 @@ user fields (a field of the request message works as well). The server doubles t
 * Sending: `cntl.request_attachment = array` queues the array's own buffer, no copy. The
   array must be C-contiguous (a transposed or sliced view is not: the call fails with
   EREQUEST), so `np.ascontiguousarray` it first, and must not change until the call returns.
-* Receiving: `cntl.response_attachment` is a memoryview of the connection's receive buffer;
-  `np.frombuffer` on it is a view too, valid for as long as it is referenced. It keeps that
-  buffer alive (up to 256 KiB for a small message): `.copy()` what you keep for long.
+* Receiving: `cntl.response_attachment` is a memoryview: of the buffer the reply was received
+  into for a large array (no copy), of its own copy for a small one (under a quarter of that
+  buffer). `np.frombuffer` on it is a view too, valid for as long as it is referenced, and
+  keeps at most 4x its size alive: `.copy()` a large one to keep only its bytes.
 """
 
 from __future__ import annotations

@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING
 from . import framing_py, iobuf_py, meta_py
 
 _EXPORTS = {
-    "framing": ("FrameReader", "parse_header", "pack_header", "magic_prefix_ok",
-                "KIND_PRPC", "KIND_STRM", "DEFAULT_MAX_BODY_SIZE"),
+    "framing": ("FrameReader", "parse_header", "pack_header", "magic_prefix_ok", "split_payload",
+                "KIND_PRPC", "KIND_STRM", "DEFAULT_MAX_BODY_SIZE", "ATTACHMENT_PIN_RATIO"),
     "iobuf": ("IOBuf", "ReadBuffer", "byte_view", "HEADER_SIZE", "LargeBufferCache", "large_buffers"),
     "meta": ("RpcMeta", "encode_meta", "decode_meta", "pack_head"),
 }
 
 if TYPE_CHECKING:
-    from .framing_py import (DEFAULT_MAX_BODY_SIZE, KIND_PRPC, KIND_STRM, FrameReader,
-                             magic_prefix_ok, pack_header, parse_header)
+    from .framing_py import (ATTACHMENT_PIN_RATIO, DEFAULT_MAX_BODY_SIZE, KIND_PRPC, KIND_STRM,
+                             FrameReader, magic_prefix_ok, pack_header, parse_header,
+                             split_payload)
     from .iobuf_py import HEADER_SIZE, IOBuf, LargeBufferCache, ReadBuffer, byte_view, large_buffers
     from .meta_py import RpcMeta, decode_meta, encode_meta, pack_head
 

@@ -5,10 +5,12 @@ uint32 from the wire held in uint64, so nothing near 2**32 wraps. Inputs the fas
 not model (a list instead of a buffer, a non-int size) go to the pure twin.
 """
 
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport (PyByteArray_AS_STRING, PyByteArray_CheckExact,
+                                PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE)
 from cpython.buffer cimport PyBuffer_Release
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
+from cpython.ref cimport PyObject
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove
 
@@ -24,15 +26,28 @@ cdef extern from "Python.h":
     object PyMemoryView_FromObject(object)
     const Py_ssize_t PY_SSIZE_T_MAX
 
+cdef extern from *:
+    """
+    #define aiobrpc_buffer_obj(view) ((view)->obj)
+    #define aiobrpc_view_released(mv) \
+        ((((PyMemoryViewObject*)(mv))->flags & _Py_MEMORYVIEW_RELEASED) != 0)
+    """
+    # The exporter under a view, or NULL (Cython's own Py_buffer.obj is an object, never NULL).
+    PyObject* _buffer_obj "aiobrpc_buffer_obj" (Py_buffer*)
+    # A released view's buffer and exporter may be gone.
+    bint _view_released "aiobrpc_view_released" (object)
+
 KIND_PRPC = 1
 KIND_STRM = 2
 MAGIC_PRPC = b"PRPC"
 MAGIC_STRM = b"STRM"
 DEFAULT_MAX_BODY_SIZE = 64 * 1024 * 1024
+ATTACHMENT_PIN_RATIO = 4
 
 cdef enum:
     _PRPC = 1
     _STRM = 2
+    _PIN_RATIO = 4  # ATTACHMENT_PIN_RATIO
 
 
 cdef inline int _kind(const unsigned char* p) noexcept nogil:
@@ -112,6 +127,40 @@ def pack_header(magic, body_size, meta_size):
     put_u32(out + n, <uint32_t>body)
     put_u32(out + n + 4, <uint32_t>meta)
     return result
+
+
+def split_payload(payload, attachment_size):
+    """(data, attachment) of a frame's payload view; the attachment is copied out when its
+    buffer is more than ATTACHMENT_PIN_RATIO times its size (see the pure twin).
+
+    The fast path takes what next_frame returns, a flat byte view of a bytearray; anything
+    else goes to the pure twin, which also raises for a size outside the payload.
+    """
+    cdef Py_buffer* v
+    cdef PyObject* owner
+    cdef long long att
+    cdef int overflow = 0
+    cdef Py_ssize_t cut
+    if (type(payload) is not memoryview or type(attachment_size) is not int
+            or _view_released(payload)):
+        return framing_py.split_payload(payload, attachment_size)
+    v = PyMemoryView_GET_BUFFER(payload)
+    owner = _buffer_obj(v)
+    att = PyLong_AsLongLongAndOverflow(attachment_size, &overflow)
+    if (overflow or owner == NULL or not PyByteArray_CheckExact(<object>owner)
+            or v.ndim != 1 or v.itemsize != 1 or v.suboffsets != NULL
+            or (v.strides != NULL and v.strides[0] != 1)
+            or v.format == NULL or v.format[0] != b'B' or v.format[1] != 0
+            or not 0 <= att <= v.len):
+        return framing_py.split_payload(payload, attachment_size)
+    cut = v.len - <Py_ssize_t>att
+    data = _subview(payload, 0, cut)
+    if att * _PIN_RATIO < PyByteArray_GET_SIZE(<object>owner):
+        attachment = PyMemoryView_FromObject(
+            PyByteArray_FromStringAndSize(<char*>v.buf + cut, <Py_ssize_t>att))
+    else:
+        attachment = _subview(payload, cut, <Py_ssize_t>att)
+    return data, attachment
 
 
 def magic_prefix_ok(buf):

@@ -3,7 +3,8 @@
 The 12-byte header shared by PRPC and STRM frames (brpc's docs/en/baidu_std.md):
 magic (4 bytes), body_size and meta_size (u32 big-endian). `FrameReader` owns a ReadBuffer,
 is fed by the kernel through get_buffer/buffer_updated (or by `feed`), and cuts complete
-frames out of it as (kind, meta view, payload view).
+frames out of it as (kind, meta view, payload view). `split_payload` cuts a payload into data
+and attachment, copying a small attachment out of the buffer it would otherwise keep alive.
 
 Stricter than C++ brpc where docs/hostile_inputs.md says so: an unknown magic is rejected as soon
 as the first bytes cannot be PRPC or STRM (A1), and meta_size > body_size closes the
@@ -20,6 +21,9 @@ KIND_STRM = 2
 MAGIC_PRPC = b"PRPC"
 MAGIC_STRM = b"STRM"
 DEFAULT_MAX_BODY_SIZE = 64 * 1024 * 1024
+# A received attachment stays a view of its frame's buffer only while that buffer is at most
+# this many times its size; a smaller one is copied out (see split_payload).
+ATTACHMENT_PIN_RATIO = 4
 
 
 def parse_header(buf) -> tuple[int, int, int]:
@@ -35,6 +39,30 @@ def pack_header(magic: bytes, body_size: int, meta_size: int) -> bytes:
     if not 0 <= meta_size <= body_size <= 0xFFFFFFFF:
         raise LocalProtocolError(f"invalid sizes body_size={body_size} meta_size={meta_size}")
     return magic + body_size.to_bytes(4, "big") + meta_size.to_bytes(4, "big")
+
+
+def split_payload(payload: memoryview, attachment_size: int) -> tuple[memoryview, memoryview]:
+    """(data, attachment) of a frame's payload view whose last `attachment_size` bytes are the
+    attachment.
+
+    The data is a view (it is parsed and dropped within the call). The attachment outlives the
+    call when the user keeps it, and a view keeps the whole buffer under it alive: the shared
+    block that small frames land in, or a large frame's own buffer, data included. So the
+    attachment is a view only when that buffer (`payload.obj`) is at most ATTACHMENT_PIN_RATIO
+    times its size; otherwise it is copied into a bytearray of its own, and a writable
+    memoryview of that is returned either way. A kept attachment thus holds at most 4x its
+    size: with the default 256 KiB block, one under 64 KiB received there is copied, and one
+    that is most of a large frame's own buffer is not.
+    """
+    size = len(payload)
+    if not 0 <= attachment_size <= size:
+        raise LocalProtocolError(
+            f"attachment_size={attachment_size} is outside a payload of {size} bytes")
+    cut = size - attachment_size
+    attachment = payload[cut:]
+    if attachment_size * ATTACHMENT_PIN_RATIO < len(payload.obj):
+        attachment = memoryview(bytearray(attachment))
+    return payload[:cut], attachment
 
 
 def magic_prefix_ok(buf) -> bool:

@@ -2,7 +2,9 @@
 
 Receiving: a `Decoder` is fed bytes (by the kernel through get_buffer/buffer_updated, or by
 `feed`) and yields RequestReceived / ResponseReceived / StreamFrameReceived events. A framing
-or meta violation raises a fatal RemoteProtocolError: close the connection.
+or meta violation raises a fatal RemoteProtocolError: close the connection. The data is a view
+of the receive buffer; so is the attachment, unless that buffer is more than 4x its size: then
+it is copied, as the user may keep it (`_fast.split_payload`).
 
 Sending: `pack(meta, data, attachment)` returns the frame as a list of buffers — one buffer
 with header and meta, the data, and a zero-copy view of the caller's attachment — for one
@@ -34,8 +36,8 @@ _NO_ATTACHMENT = memoryview(b"")
 class Decoder:
     """Turns received bytes into events. `role` is SERVER (requests) or CLIENT (responses)."""
 
-    __slots__ = ("_reader", "_event", "_code", "role", "_decode_meta", "_kind_strm",
-                 "get_buffer", "buffer_updated", "feed", "pending_bytes")
+    __slots__ = ("_reader", "_event", "_code", "role", "_decode_meta", "_split_payload",
+                 "_kind_strm", "get_buffer", "buffer_updated", "feed", "pending_bytes")
 
     def __init__(self, role: str, max_body_size: int = DEFAULT_MAX_BODY_SIZE, **buffer_options) -> None:
         if role not in (SERVER, CLIENT):
@@ -47,6 +49,7 @@ class Decoder:
         # Bound once per connection: the twin selected now, and no Python frame per call for
         # what the kernel side calls most.
         self._decode_meta = _fast.decode_meta
+        self._split_payload = _fast.split_payload
         self._kind_strm = _fast.KIND_STRM
         self.get_buffer = reader.get_buffer
         self.buffer_updated = reader.buffer_updated
@@ -75,7 +78,10 @@ class Decoder:
             err = RemoteProtocolError(f"attachment_size={att} is larger than {what}={size}",
                                       code=self._code, fatal=False)
             return self._event(meta, _NO_ATTACHMENT, _NO_ATTACHMENT, err)
-        return self._event(meta, payload[:size - att], payload[size - att:])
+        # A small attachment is copied out of the shared receive block (split_payload): the
+        # user may keep it long after the call.
+        data, attachment = self._split_payload(payload, att)
+        return self._event(meta, data, attachment)
 
     def events(self) -> list:
         """Every complete event buffered so far."""

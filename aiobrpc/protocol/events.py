@@ -1,10 +1,13 @@
-"""Events a decoder yields. Views point into receive buffers: no copies were made."""
+"""Events a decoder yields. Views point into receive buffers, except a small attachment: it
+is copied out so that keeping it does not keep a whole receive buffer alive."""
 
 from __future__ import annotations
 
 
 class MessageReceived:
-    """A PRPC frame: `meta` (RpcMeta), `data` and `attachment` (memoryviews of the payload).
+    """A PRPC frame: `meta` (RpcMeta), `data` and `attachment` (memoryviews of the payload;
+    the attachment is a view of its own copy when the buffer under it is more than 4x its
+    size, see `_fast.split_payload`).
 
     `error` is a non-fatal RemoteProtocolError when the payload cannot be split as the meta
     says (attachment_size larger than the payload); the connection stays usable and only this

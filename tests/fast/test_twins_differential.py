@@ -300,6 +300,7 @@ class Run:
 
     def __init__(self, framing, keep_every: int, **options) -> None:
         self.reader = framing.FrameReader(**options)
+        self.split_payload = framing.split_payload
         self.keep_every = keep_every
         self.kept = []  # (views, bytes they showed when handed out)
         self.log = []
@@ -317,6 +318,11 @@ class Run:
             kind, meta, payload = got[1]
             seen = (kind, bytes(meta), bytes(payload))
             self.log.append(seen + (view_shape(meta), view_shape(payload)))
+            n = payload.nbytes
+            for att in (0, 1, n // 4, n // 4 + 1, n // 2, n):  # copied out or a view: same choice
+                data, attachment = self.split_payload(payload, min(att, n))
+                self.log.append((view_shape(data), view_shape(attachment)))
+                del data, attachment
             if self.reader.frames % self.keep_every == 0:
                 # hold some frames' views: the buffer must neither reuse nor rewrite their block
                 self.kept.append(((meta, payload), seen[1:]))
@@ -379,6 +385,31 @@ def test_frame_reader_feed_path_agrees(stream, cuts, keep_every, drain_between):
         run.drain()
     assert runs[0].log == runs[1].log
     assert runs[0].views_intact() and runs[1].views_intact()
+
+
+BLOCK = bytearray(range(256)) * 4
+
+
+def released() -> memoryview:
+    view = memoryview(bytearray(100))
+    view.release()  # its bytearray is gone: the compiled twin must not look at it
+    return view
+
+
+@pytest.mark.parametrize("payload", [
+    memoryview(BLOCK)[100:400], memoryview(BLOCK), memoryview(BLOCK)[5:5], memoryview(BLOCK)[::2],
+    memoryview(BLOCK).cast("c")[10:50], memoryview(BLOCK).cast("B", (32, 32)),
+    memoryview(bytes(BLOCK))[1:9], memoryview(array.array("h", [1, 2, 3, 4])), b"abcd",
+    bytearray(b"abcd"), None, released()], ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("att", [0, 1, 2, 75, 76, 100, 300, 301, -1, 1 << 70, True, 2.0, "1",
+                                 Code.SMALL])
+def test_split_payload_agrees(payload, att):
+    def split(fn):
+        got = outcome(fn, payload, att)
+        if got[0] == "ok":
+            got = ("ok", [view_shape(v) if isinstance(v, memoryview) else v for v in got[1]])
+        return got
+    assert split(framing_c.split_payload) == split(framing_py.split_payload)
 
 
 # --- large frames: no copy -----------------------------------------------------------------------
