@@ -202,10 +202,8 @@ class Call:
         cid = conn._next_cid
         conn._next_cid = cid + 1
         meta.correlation_id = cid
-        if conn.needs_credential:
-            conn.needs_credential = False
-            if conn.credential is not None:
-                meta.authentication_data = conn.credential
+        if conn.needs_credential and conn.credential is not None:
+            meta.authentication_data = conn.credential
         fields = cntl._request_user_fields
         if fields:
             meta.user_fields = list(fields.items())
@@ -225,6 +223,7 @@ class Call:
         except (LocalProtocolError, ValueError, TypeError) as e:
             self._ended(att, None, RpcError(EREQUEST, f"Fail to pack request: {e}"))
             return
+        conn.needs_credential = False  # only once the request that carries it is sure to go
         att.cid = cid
         conn.pending[cid] = att
         att.sent = True
