@@ -20,12 +20,14 @@ Rules (brpc's docs/en/client.md, docs/hostile_inputs.md D5-D10):
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from .. import _fast
 from ..controller import Controller
-from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST,
-                      ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
+from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
+                      EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, content
 from .pool import SINGLE
 from .retry import NEVER_RETRIED, RetryPolicy, retry_allowed
@@ -35,6 +37,8 @@ _DEFAULT_RETRY_POLICY = RetryPolicy()
 _REFUSED_BY_SERVER = frozenset({ELIMIT, ELOGOFF, EOVERCROWDED})  # the handler did not run
 _MAX_EXCLUDED = 8
 _now_ns = time.perf_counter_ns
+
+log = logging.getLogger(__name__)
 
 
 class AttemptInfo:
@@ -161,16 +165,25 @@ class Call:
 
     async def _connect_then_send(self, att: Attempt) -> None:
         try:
-            conn = await att.pool.connect(self.loop, self.deadline, self.ctype)
-        except RpcError as e:
+            try:
+                conn = await att.pool.connect(self.loop, self.deadline, self.ctype)
+            except RpcError as e:
+                att.task = None
+                self._ended(att, None, e)
+                return
+            except asyncio.CancelledError:
+                att.task = None
+                if not att.done:  # not abandoned by the call: the loop is shutting down
+                    self._ended(att, None, RpcError(ECANCELED, f"Connecting to {att.pool.address} was cancelled"))
+                raise
             att.task = None
-            self._ended(att, None, e)
-            return
-        att.task = None
-        if att.done:  # abandoned meanwhile: the connection serves later calls
-            att.pool.release(conn, self.ctype, True)
-            return
-        self._send(att, conn)
+            if att.done:  # abandoned meanwhile: the connection serves later calls
+                att.pool.release(conn, self.ctype, True)
+                return
+            self._send(att, conn)
+        except Exception as e:  # anything else the connect raised ends the call, never the task
+            att.task = None
+            self._fail(e)
 
     def _send(self, att: Attempt, conn) -> None:
         channel = self.channel
@@ -409,6 +422,20 @@ class Call:
             return
         self.channel.stats.cancelled += 1
         self._complete(None, None, RpcError(ECANCELED, "RPC was cancelled by the caller"))
+
+    def _fail(self, e: Exception) -> None:
+        """A step of the call raised `e` (a bug): the call ends with it."""
+        if isinstance(e, RpcError):
+            err = e
+        else:
+            log.error("call to %s/%s failed internally: %r", self.service_name, self.method_name, e, exc_info=e)
+            err = RpcError(EINTERNAL, f"Internal error of the call: {e!r}")
+        if not self.finished:
+            self._complete(None, None, err)
+        elif not self.fut.done():  # it raised while completing: the caller still gets its answer
+            self.cntl.error_code = err.code
+            self.cntl.error_text = err.text
+            self.fut.set_exception(err)
 
     # -- completion --------------------------------------------------------------------------
     def _complete(self, att: Attempt | None, response, err: RpcError | None) -> None:

@@ -60,6 +60,7 @@ class ServerPool:
         self._connect_timeouts = 0
         self._health: asyncio.Task | None = None
         self.closed = False
+        self.closed_why = ""
 
     # -- getting a connection ----------------------------------------------------------------
     def ready(self, ctype: str) -> ClientConnection | None:
@@ -78,7 +79,7 @@ class ServerPool:
     async def connect(self, loop, deadline: float | None, ctype: str) -> ClientConnection:
         """A new connection (single: the shared one), within connect_timeout_ms and `deadline`."""
         if self.closed:
-            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
+            raise RpcError(EFAILEDSOCKET, f"Not connecting to {self.address}: {self.closed_why}")
         if ctype != SINGLE:
             return await self._connect(loop, deadline, ctype)
         conn = self.ready(SINGLE)
@@ -87,12 +88,17 @@ class ServerPool:
         if self._connecting is None:
             self._connecting = loop.create_task(self._connect(loop, None, SINGLE))
         task = self._connecting
-        if deadline is None:
-            return await asyncio.shield(task)
         try:
+            if deadline is None:
+                return await asyncio.shield(task)
             return await asyncio.wait_for(asyncio.shield(task), max(deadline - loop.time(), 0))
         except asyncio.TimeoutError:
             raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
+        except asyncio.CancelledError:
+            if task.cancelled() and self.closed:  # the shared connect was stopped, not this waiter
+                raise RpcError(EFAILEDSOCKET, f"Connecting to {self.address} was stopped: "
+                                              f"{self.closed_why}") from None
+            raise
 
     async def _connect(self, loop, deadline: float | None, ctype: str) -> ClientConnection:
         opts = self.options
@@ -137,7 +143,7 @@ class ServerPool:
         self._connect_timeouts = 0
         if self.closed:
             conn.close()
-            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
+            raise RpcError(EFAILEDSOCKET, f"Not connecting to {self.address}: {self.closed_why}")
         self.connections.add(conn)
         if ctype == SINGLE:
             self.single = conn
@@ -285,6 +291,7 @@ class ServerPool:
         """The server left the naming service's list: no health checks, no new calls; the
         connections close (calls still on them fail over like any broken connection)."""
         self.closed = True
+        self.closed_why = "the server left the naming service's list"
         for t in (self._connecting, self._health):
             if t is not None:
                 t.cancel()
@@ -298,6 +305,7 @@ class ServerPool:
 
     async def close(self) -> None:
         self.closed = True
+        self.closed_why = "the channel was closed"
         tasks = [t for t in (self._connecting, self._health) if t is not None]
         for t in tasks:
             t.cancel()

@@ -8,13 +8,18 @@ a call that would never end fails the test in seconds. Scaffolding from test_cal
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest_asyncio
 
 import aiobrpc
 from aiobrpc import errors
+from aiobrpc.client import pool as pool_module
+from aiobrpc.client.naming import ServerNode
 from tests.client.test_call_rules import Cluster, Req, fails
+from tests.client.test_naming_seam import QueueNaming
+from tests.helpers.interop_server import SERVICE
 
 HANG = 5  # seconds: a call still running by then would never have ended
 
@@ -43,6 +48,48 @@ def hold_until(event: asyncio.Event, message: str = "slow"):
         if request.message == message:
             await event.wait()
     return script
+
+
+# -- the connect step: whatever ends it ends the calls waiting for it --------------------------
+class FirstCredentialBlocks:
+    """The first connect's credential never comes; the others' at once."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def generate_credential(self):
+        self.asked += 1
+        if self.asked == 1:
+            await asyncio.Event().wait()
+        return b"secret"
+
+
+async def test_a_server_removed_while_connecting_fails_over(cluster):
+    """Its connect is stopped: the calls waiting for it are told (and retried elsewhere)."""
+    a, b = await cluster.start_many(2)
+    QueueNaming.instances.clear()
+    cred = FirstCredentialBlocks()
+    channel = aiobrpc.Channel("testqueue://x", aiobrpc.ChannelOptions(timeout_ms=-1, auth=cred), load_balancer="rr")
+    [naming] = QueueNaming.instances
+    naming.updates.put_nowait([ServerNode("127.0.0.1", a.port)])
+    cntl = aiobrpc.Controller()
+    call = asyncio.ensure_future(aiobrpc.Stub(channel, SERVICE).Echo(Req(message="x"), cntl))
+    await until(lambda: cred.asked == 1, "the connect to the first server")
+    naming.updates.put_nowait([ServerNode("127.0.0.1", b.port)])
+    assert (await ends(call)).message == f"{b.address}|x"
+    assert [at.error_code for at in cntl.attempts] == [errors.EFAILEDSOCKET, 0]
+    await channel.close()
+
+
+async def test_a_connect_that_raises_anything_ends_the_call(cluster, monkeypatch, caplog):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(pool_module, "open_connection", broken)
+    channel, stub = cluster.channel(["127.0.0.1:1"], timeout_ms=-1)
+    err = await ends(fails(stub.Echo(Req(message="x"))))
+    assert err.code == errors.EINTERNAL and err.text == "Internal error of the call: RuntimeError('boom')"
+    assert [r.exc_info[0] for r in caplog.records if r.levelno == logging.ERROR] == [RuntimeError]
 
 
 # -- the credential goes with the first request that is sent -------------------------------------
