@@ -121,6 +121,7 @@ class Call:
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
         loop = self.loop
+        self.channel._calls.add(self)  # until _complete: closing the channel ends it
         if self.deadline is not None:
             self.timer = loop.call_at(self.deadline, self._timed_out)
         opts = self.channel.options
@@ -423,6 +424,10 @@ class Call:
         self.channel.stats.cancelled += 1
         self._complete(None, None, RpcError(ECANCELED, "RPC was cancelled by the caller"))
 
+    def abort(self, err: RpcError) -> None:
+        """End the call now with `err`, whatever it waits for (the channel is closing)."""
+        self._complete(None, None, err)
+
     def _fail(self, e: Exception) -> None:
         """A step of the call raised `e` (a bug): the call ends with it."""
         if isinstance(e, RpcError):
@@ -442,6 +447,7 @@ class Call:
         if self.finished:
             return
         self.finished = True
+        self.channel._calls.discard(self)
         side = att if att is not None else self.current  # whose server the controller names
         if self.timer is not None:
             self.timer.cancel()

@@ -19,7 +19,7 @@ import logging
 from google.protobuf.message import EncodeError
 
 from ..controller import Controller
-from ..errors import EHOSTDOWN, ENODATA, EREQUEST, RpcError
+from ..errors import EFAILEDSOCKET, EHOSTDOWN, ENODATA, EREQUEST, RpcError
 from ..options import ChannelOptions
 from ..protocol import content
 from .call import Call
@@ -72,6 +72,7 @@ class Channel:
         self._single: ServerPool | None = None
         self._watch: asyncio.Task | None = None
         self._first_list: asyncio.Future | None = None
+        self._calls: set[Call] = set()  # started and not ended
         self._closed = False
         if isinstance(address, str) and is_naming_url(address):
             if not load_balancer:
@@ -166,17 +167,30 @@ class Channel:
 
     # -- closing -----------------------------------------------------------------------------
     async def close(self) -> None:
-        """Close every connection; calls in flight fail with EFAILEDSOCKET."""
+        """Close every connection; calls in flight fail at once with EFAILEDSOCKET (no retry)."""
         self._closed = True
+        self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed"))
+        if self._first_list is not None and not self._first_list.done():
+            self._first_list.set_result(None)  # calls waiting for it find the channel closed
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
             self._watch = None
         if self.naming is not None:
-            await self.naming.close()
+            try:
+                await self.naming.close()
+            except Exception as e:  # the connections close all the same
+                log.error("naming service %s failed to close: %r", self.address, e, exc_info=e)
         for pool in list(self.pools.values()):
             await pool.close()
         await asyncio.sleep(0)
+
+    def _end_calls(self, err: RpcError) -> None:
+        """End every call in flight now, wherever it is: on a connection, connecting, waiting
+        for a retry's backoff (their attempts would otherwise fail one by one and be retried)."""
+        calls, self._calls = self._calls, set()
+        for call in calls:
+            call.abort(RpcError(err.code, err.text))
 
     async def __aenter__(self) -> Channel:
         return self
@@ -203,13 +217,12 @@ class Channel:
         except (EncodeError, ValueError, TypeError) as e:
             cntl.error_code, cntl.error_text = EREQUEST, f"Fail to serialize request: {e}"
             raise RpcError(EREQUEST, cntl.error_text) from None
-        if self._closed:
-            cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
-            raise RpcError(EHOSTDOWN, cntl.error_text)
+        self._check_open(cntl)
         started = None
         if self.lb is not None and not self.pools and (self._first_list is None or not self._first_list.done()):
             started = loop.time()  # the wait for the first list is part of the call's time
             await self._wait_first_list(loop, cntl)
+            self._check_open(cntl)  # closed while it waited
         call = Call(self, loop, service_name, method_name, serialized, response_class, cntl, started)
         call.start()
         try:
@@ -219,6 +232,11 @@ class Channel:
             raise
         finally:
             call = None  # the failed future's traceback holds this frame: no cycle to the call
+
+    def _check_open(self, cntl: Controller) -> None:
+        if self._closed:
+            cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
+            raise RpcError(EHOSTDOWN, cntl.error_text)
 
     async def _wait_first_list(self, loop, cntl: Controller) -> None:
         """A dynamic naming service: start watching, and wait (bounded) for its first list."""

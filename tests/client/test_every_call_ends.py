@@ -92,6 +92,72 @@ async def test_a_connect_that_raises_anything_ends_the_call(cluster, monkeypatch
     assert [r.exc_info[0] for r in caplog.records if r.levelno == logging.ERROR] == [RuntimeError]
 
 
+# -- closing the channel ends its calls at once, without retries ---------------------------------
+class BlockedCredential:
+    """A credential generator that never finishes: the connect stays in flight."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def generate_credential(self):
+        self.asked += 1
+        await asyncio.Event().wait()
+
+
+async def test_close_ends_the_calls_waiting_for_the_connect(cluster):
+    srv = await cluster.start()
+    cred = BlockedCredential()
+    channel, stub = cluster.channel([srv], timeout_ms=-1, auth=cred)
+    calls = [asyncio.ensure_future(stub.Echo(Req(message=f"c{i}"))) for i in range(3)]
+    await until(lambda: cred.asked == 1, "the connect")
+    await channel.close()
+    for call in calls:
+        err = await ends(fails(call))
+        assert err.code == errors.EFAILEDSOCKET and "closed" in err.text
+    assert channel.stats.retries == 0 and cred.asked == 1
+
+
+async def test_close_ends_the_calls_waiting_for_the_first_server_list():
+    QueueNaming.instances.clear()
+    channel = aiobrpc.Channel("testqueue://never", aiobrpc.ChannelOptions(timeout_ms=-1), load_balancer="rr")
+    call = asyncio.ensure_future(aiobrpc.Stub(channel, SERVICE).Echo(Req(message="x")))
+    await until(lambda: channel._first_list is not None, "the wait for the list")
+    await channel.close()
+    err = await ends(fails(call))
+    assert err.code == errors.EHOSTDOWN and "closed" in err.text
+
+
+async def test_close_ends_the_calls_in_flight_without_retrying(cluster):
+    release = cluster.event()
+    srv = await cluster.start(hold_until(release))
+    channel, stub = cluster.channel([srv], timeout_ms=-1, max_retry=3)
+    cntls = [aiobrpc.Controller() for _ in range(5)]
+    calls = [asyncio.ensure_future(stub.Echo(Req(message="slow"), cntl)) for cntl in cntls]
+    await until(lambda: srv.count("slow") == 5, "the calls to reach the server")
+    await channel.close()
+    for call, cntl in zip(calls, cntls):
+        err = await ends(fails(call))
+        assert err.code == errors.EFAILEDSOCKET and "closed" in err.text
+        assert cntl.retried_count == 0
+    assert channel.stats.retries == 0
+
+
+async def test_close_ends_a_call_waiting_for_its_retry_backoff(cluster):
+    async def fail_once(srv, request, cntl, n):
+        if n == 1:
+            raise aiobrpc.RpcError(errors.ELIMIT, "busy")
+
+    srv = await cluster.start(fail_once)
+    channel, stub = cluster.channel([srv], timeout_ms=-1, max_retry=3,
+                                    retry_policy=aiobrpc.FixedBackoffRetryPolicy(60_000))
+    call = asyncio.ensure_future(stub.Echo(Req(message="x")))
+    await until(lambda: channel.stats.retries == 1, "the retry's backoff")
+    await channel.close()
+    err = await ends(fails(call))
+    assert err.code == errors.EFAILEDSOCKET and "closed" in err.text
+    assert srv.count("x") == 1
+
+
 # -- the credential goes with the first request that is sent -------------------------------------
 class Verifier:
     def __init__(self) -> None:
