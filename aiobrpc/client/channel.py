@@ -22,7 +22,7 @@ from ..controller import Controller
 from ..errors import EFAILEDSOCKET, EHOSTDOWN, ENODATA, EREQUEST, RpcError
 from ..options import ChannelOptions
 from ..protocol import content
-from .call import Call
+from .call import Call, CallbackFailed
 from .connection import ClientStats
 from .lb import create_load_balancer
 from .naming import ServerNode, create_naming_service, is_naming_url
@@ -125,7 +125,12 @@ class Channel:
         pools = self.pools
         if not pools:
             raise RpcError(ENODATA, f"Fail to select server: {self.address} lists no server")
-        node = self.lb.select(excluded=excluded, available=lambda n: pools[n].available)
+        try:
+            node = self.lb.select(excluded=excluded, available=lambda n: pools[n].available)
+        except RpcError:
+            raise
+        except Exception as e:
+            raise CallbackFailed("load_balancer.select", e) from None
         return pools[node]
 
     def is_idempotent(self, service_name: str, method_name: str) -> bool:

@@ -340,6 +340,7 @@ async def _credential(auth, address: str) -> bytes:
         if inspect.isawaitable(cred):
             cred = await cred
     except Exception as e:
+        log.error("auth.generate_credential() for %s raised %r", address, e, exc_info=e)
         raise RpcError(EREQUEST, f"Fail to generate credential for {address}: {e!r}") from None
     if isinstance(cred, str):
         cred = cred.encode()

@@ -11,11 +11,13 @@ import asyncio
 import logging
 
 import numpy as np
+import pytest
 import pytest_asyncio
 
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc.client import pool as pool_module
+from aiobrpc.client.lb import RoundRobinLoadBalancer, register_load_balancer
 from aiobrpc.client.naming import ServerNode
 from tests.client.test_call_rules import Cluster, Req, fails
 from tests.client.test_naming_seam import QueueNaming
@@ -184,5 +186,152 @@ async def test_a_request_that_fails_to_pack_does_not_use_up_the_credential(clust
     # Sent without the credential, it would fail with ERPCAUTH (and lose the connection).
     assert (await ends(stub.Echo(Req(message="good")))).message.endswith("|good")
     assert verifier.credentials == [b"secret"] and srv.count() == 1
+
+
+# -- user callbacks are isolated -----------------------------------------------------------------
+class Boom(Exception):
+    pass
+
+
+class RaisingRetryPolicy(aiobrpc.RetryPolicy):
+    """Raises in `hook`, for the calls with log_id 1 only."""
+
+    def __init__(self, hook: str) -> None:
+        super().__init__()
+        self.hook = hook
+
+    def _maybe_raise(self, hook: str, cntl) -> None:
+        if hook == self.hook and cntl.log_id == 1:
+            raise Boom(f"in {hook}")
+
+    def do_retry(self, cntl):
+        self._maybe_raise("do_retry", cntl)
+        return super().do_retry(cntl)
+
+    def backoff_ms(self, cntl, remaining_ms):
+        self._maybe_raise("backoff_ms", cntl)
+        return 0.0
+
+
+def user_error(err: aiobrpc.RpcError, hook: str, caplog) -> None:
+    """`err` names the hook that raised and what it raised; the log says it once."""
+    assert err.code == errors.EINTERNAL
+    assert err.text == f"{hook} raised Boom('in {hook.rpartition('.')[2]}')"
+    records = [r for r in caplog.records if hook in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.ERROR
+    assert records[0].exc_info is not None and records[0].exc_info[0] is Boom
+
+
+@pytest.mark.parametrize("hook", ["do_retry", "backoff_ms"])
+async def test_a_retry_policy_that_raises_fails_only_its_call(cluster, hook, caplog):
+    release = cluster.event()
+
+    async def script(srv, request, cntl, n):
+        if request.message == "fails":
+            raise aiobrpc.RpcError(errors.ELIMIT, "busy")
+        await release.wait()
+
+    srv = await cluster.start(script)
+    channel, stub = cluster.channel([srv], timeout_ms=-1, max_retry=3, retry_policy=RaisingRetryPolicy(hook))
+    other = asyncio.ensure_future(stub.Echo(Req(message="other")))
+    await until(lambda: srv.count("other") == 1, "the other call to reach the server")
+    conn = channel._conn
+    cntl = aiobrpc.Controller(log_id=1)
+    err = await ends(fails(stub.Echo(Req(message="fails"), cntl)))
+    user_error(err, f"retry_policy.{hook}", caplog)
+    assert cntl.error_code == errors.EINTERNAL and channel.stats.retries == 0 and cntl.retried_count == 0
+    release.set()  # the other call on the same connection is unaffected
+    assert (await ends(other)).message.endswith("|other")
+    assert channel._conn is conn and not conn.is_closed
+
+
+class RaisingCredential:
+    def generate_credential(self):
+        raise Boom("in generate_credential")
+
+
+async def test_a_credential_generator_that_raises_fails_the_calls_waiting_for_it(cluster, caplog):
+    srv = await cluster.start()
+    _channel, stub = cluster.channel([srv], timeout_ms=-1, max_retry=3, auth=RaisingCredential())
+    calls = [stub.Echo(Req(message=str(i))) for i in range(3)]
+    for result in await ends(asyncio.gather(*calls, return_exceptions=True)):
+        assert isinstance(result, aiobrpc.RpcError) and result.code == errors.EREQUEST
+        assert result.text == f"Fail to generate credential for {srv.address}: Boom('in generate_credential')"
+    records = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(records) == 1 and records[0].exc_info[0] is Boom  # one connect for the three
+    assert srv.count() == 0
+
+
+class RaisingBackupPolicy(aiobrpc.BackupRequestPolicy):
+    """Raises in `hook`, for the calls with log_id 1 only."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+
+    def _maybe_raise(self, hook: str, cntl) -> None:
+        if hook == self.hook and cntl.log_id == 1:
+            raise Boom(f"in {hook}")
+
+    def backup_request_ms(self, cntl):
+        self._maybe_raise("backup_request_ms", cntl)
+        return 10
+
+    def do_backup(self, cntl):
+        self._maybe_raise("do_backup", cntl)
+        return True
+
+    def on_rpc_end(self, cntl):
+        self._maybe_raise("on_rpc_end", cntl)
+
+
+@pytest.mark.parametrize("hook,message,timeout_ms", [
+    ("backup_request_ms", "slow", -1), ("do_backup", "slow", -1),
+    ("on_rpc_end", "fast", -1), ("on_rpc_end", "slow", 50)])
+async def test_a_backup_policy_that_raises_fails_only_its_call(cluster, hook, message, timeout_ms, caplog):
+    release = cluster.event()
+    srv = await cluster.start(hold_until(release))
+    channel, stub = cluster.channel([srv], timeout_ms=timeout_ms, max_retry=3,
+                                    backup_request_policy=RaisingBackupPolicy(hook))
+    other = asyncio.ensure_future(stub.Echo(Req(message="slow"), aiobrpc.Controller(timeout_ms=-1)))
+    await until(lambda: srv.count("slow") >= 1, "the other call to reach the server")
+    conn = channel._conn
+    cntl = aiobrpc.Controller(log_id=1)
+    err = await ends(fails(stub.Echo(Req(message=message), cntl)))
+    user_error(err, f"backup_request_policy.{hook}", caplog)
+    assert cntl.error_code == errors.EINTERNAL
+    release.set()  # the other call on the same connection is unaffected
+    assert (await ends(other)).message.endswith("|slow")
+    assert channel._conn is conn and not conn.is_closed
+
+
+class RaisingLoadBalancer(RoundRobinLoadBalancer):
+    hook = ""
+
+    def select(self, **kwargs):
+        if self.hook == "select":
+            raise Boom("in select")
+        return super().select(**kwargs)
+
+    def feedback(self, server, error_code, latency_us):
+        if self.hook == "feedback":
+            raise Boom("in feedback")
+
+
+register_load_balancer("raising_for_tests", lambda params: RaisingLoadBalancer())
+
+
+@pytest.mark.parametrize("hook", ["select", "feedback"])
+async def test_a_load_balancer_that_raises_fails_only_its_call(cluster, hook, caplog):
+    a, b = await cluster.start_many(2)
+    opts = aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=3)
+    async with aiobrpc.Channel(f"list://{a.address},{b.address}", opts, load_balancer="raising_for_tests") as channel:
+        stub = aiobrpc.Stub(channel, SERVICE)
+        channel.lb.hook = hook
+        cntl = aiobrpc.Controller()
+        err = await ends(fails(stub.Echo(Req(message="x"), cntl)))
+        user_error(err, f"load_balancer.{hook}", caplog)
+        assert channel.stats.retries == 0
+        channel.lb.hook = ""
+        assert (await ends(stub.Echo(Req(message="y")))).message.endswith("|y")
 
 
