@@ -19,7 +19,7 @@ import logging
 from google.protobuf.message import EncodeError
 
 from ..controller import Controller
-from ..errors import EFAILEDSOCKET, EHOSTDOWN, ENODATA, EREQUEST, RpcError
+from ..errors import EFAILEDSOCKET, EHOSTDOWN, EINVAL, ENODATA, EREQUEST, RpcError
 from ..options import ChannelOptions
 from ..protocol import content
 from .call import Call, CallbackFailed
@@ -27,7 +27,7 @@ from .connection import ClientStats
 from .lb import create_load_balancer
 from .naming import ServerNode, create_naming_service, is_naming_url
 from .naming.list import ListNamingService
-from .pool import ServerPool
+from .pool import ServerPool, cancel_on_dead_loop
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,10 @@ class Channel:
     """A client of one server ("host:port") or of a cluster (a naming-service URL plus
     `load_balancer`, e.g. "list://10.0.0.1:8000,10.0.0.2:8000" and "rr").
 
-    Make it inside a running event loop and use it from that loop; it connects on the first
-    call (or `connect()`). `async with Channel(...) as channel:` closes it at the end.
+    It connects on the first call (or `connect()`), on the running event loop, and is used
+    from one loop at a time. Once that loop has ended (`asyncio.run` returned), a call from a
+    new loop connects anew: the connections, timers and tasks of the old one are dropped.
+    `async with Channel(...) as channel:` closes it at the end.
 
     Attributes:
         options (ChannelOptions): The channel's options (defaults when none were given).
@@ -73,6 +75,7 @@ class Channel:
         self._watch: asyncio.Task | None = None
         self._first_list: asyncio.Future | None = None
         self._calls: set[Call] = set()  # started and not ended
+        self._loop: asyncio.AbstractEventLoop | None = None  # where its connections, timers and tasks live
         self._closed = False
         if isinstance(address, str) and is_naming_url(address):
             if not load_balancer:
@@ -141,7 +144,7 @@ class Channel:
         """Connect to every server now instead of on the first call: the single connection,
         or one idle pooled connection, of each server (short: a connection made and closed,
         a reachability check). Raises RpcError when one fails."""
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop()
         ctype = self.options.connection_type
         for pool in list(self.pools.values()):
             if ctype == "single":
@@ -173,6 +176,7 @@ class Channel:
     # -- closing -----------------------------------------------------------------------------
     async def close(self) -> None:
         """Close every connection; calls in flight fail at once with EFAILEDSOCKET (no retry)."""
+        self._running_loop()
         self._closed = True
         self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed"))
         if self._first_list is not None and not self._first_list.done():
@@ -195,7 +199,10 @@ class Channel:
         for a retry's backoff (their attempts would otherwise fail one by one and be retried)."""
         calls, self._calls = self._calls, set()
         for call in calls:
-            call.abort(RpcError(err.code, err.text))
+            try:
+                call.abort(RpcError(err.code, err.text))
+            except RuntimeError:  # a call of a closed loop (the channel moved on): no one waits for it
+                pass
 
     async def __aenter__(self) -> Channel:
         return self
@@ -215,6 +222,12 @@ class Channel:
         else:
             cntl.reset_result()
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            try:
+                self._move_to(loop)
+            except RpcError as e:
+                cntl.error_code, cntl.error_text = e.code, e.text
+                raise
         cntl.service_name = service_name
         cntl.method_name = method_name
         try:
@@ -238,6 +251,34 @@ class Channel:
         finally:
             call = None  # the failed future's traceback holds this frame: no cycle to the call
 
+    # -- event loops -------------------------------------------------------------------------
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._move_to(loop)
+        return loop
+
+    def _move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Use the channel from `loop`. The loop it was used from before, if any, has ended
+        (two `asyncio.run()` with one channel): what lived there is dropped, and made anew here."""
+        old = self._loop
+        if old is not None and old.is_running() and not old.is_closed():
+            raise RpcError(EINVAL, f"Channel to {self.address} is in use by an event loop still running "
+                                   "in another thread: a Channel belongs to one loop at a time")
+        self._loop = loop
+        if old is None:
+            return
+        for pool in self.pools.values():
+            pool.move_to(loop)
+        self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} moved to another event loop"))
+        if self._watch is not None:
+            cancel_on_dead_loop(self._watch)
+            self._start_watching(loop)
+            if self.pools:
+                self._first_list.set_result(None)
+        elif self._first_list is not None:
+            self._first_list = None
+
     def _check_open(self, cntl: Controller) -> None:
         if self._closed:
             cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
@@ -246,13 +287,16 @@ class Channel:
     async def _wait_first_list(self, loop, cntl: Controller) -> None:
         """A dynamic naming service: start watching, and wait (bounded) for its first list."""
         if self._first_list is None:
-            self._first_list = loop.create_future()
-            self._watch = loop.create_task(self._watch_naming())
+            self._start_watching(loop)
         timeout_ms = self.options.timeout_ms if cntl.timeout_ms is None else cntl.timeout_ms
         try:
             await asyncio.wait_for(asyncio.shield(self._first_list), None if timeout_ms < 0 else timeout_ms / 1000)
         except asyncio.TimeoutError:
             pass  # the call fails with ENODATA
+
+    def _start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._first_list = loop.create_future()
+        self._watch = loop.create_task(self._watch_naming())
 
     def __repr__(self) -> str:
         return f"<Channel {self.address} {self.options.connection_type} {len(self.pools)} servers>"

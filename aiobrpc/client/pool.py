@@ -286,6 +286,23 @@ class ServerPool:
         self._isolation.reset()
         log.info("server %s is revived", self.address)
 
+    # -- event loops ---------------------------------------------------------------------------
+    def move_to(self, loop) -> None:
+        """The loop of its connections, timers and tasks ended: drop them all; what is needed is
+        made anew on `loop` (a down server is health-checked from there)."""
+        for conn in self.connections:
+            conn.drop()
+        self.connections.clear()
+        self.single = None
+        self._idle.clear()
+        checking = self._health is not None
+        for handle in (self._connecting, self._health, self._idle_timer):
+            if handle is not None:
+                cancel_on_dead_loop(handle)
+        self._connecting = self._health = self._idle_timer = None
+        if checking and not self.closed:
+            self._health = loop.create_task(self._health_check(self._isolation.isolation_duration_ms / 1000))
+
     # -- closing -------------------------------------------------------------------------------
     def retire(self) -> None:
         """The server left the naming service's list: no health checks, no new calls; the
@@ -323,6 +340,13 @@ class ServerPool:
     def __repr__(self) -> str:
         state = "up" if self.available else "logged off" if self.logged_off else "down"
         return f"<ServerPool {self.address} {state} {len(self.connections)} connections>"
+
+
+def cancel_on_dead_loop(handle) -> None:
+    try:
+        handle.cancel()
+    except RuntimeError:  # its loop is closed: nothing of it runs again anyway
+        pass
 
 
 def _unresolvable(host: str, e: Exception) -> str:

@@ -8,11 +8,16 @@ a call that would never end fails the test in seconds. Scaffolding from test_cal
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
+import threading
+import warnings
 
 import numpy as np
 import pytest
 import pytest_asyncio
+import uvloop
 
 import aiobrpc
 from aiobrpc import errors
@@ -21,7 +26,7 @@ from aiobrpc.client.lb import RoundRobinLoadBalancer, register_load_balancer
 from aiobrpc.client.naming import ServerNode
 from tests.client.test_call_rules import Cluster, Req, fails
 from tests.client.test_naming_seam import QueueNaming
-from tests.helpers.interop_server import SERVICE
+from tests.helpers.interop_server import SERVICE, running_echo
 
 HANG = 5  # seconds: a call still running by then would never have ended
 
@@ -335,3 +340,95 @@ async def test_a_load_balancer_that_raises_fails_only_its_call(cluster, hook, ca
         assert (await ends(stub.Echo(Req(message="y")))).message.endswith("|y")
 
 
+# -- a Channel outlives its event loop -----------------------------------------------------------
+@contextlib.contextmanager
+def echo_server_in_a_thread():
+    """An InteropEcho server running in its own thread and loop; yields its address."""
+    started = threading.Event()
+    state: dict = {}
+
+    async def serve() -> None:
+        async with running_echo() as (server, _):
+            state["address"], state["stop"] = server.address, asyncio.Event()
+            started.set()
+            await state["stop"].wait()
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        state["loop"] = loop
+        try:
+            loop.run_until_complete(serve())
+        finally:
+            loop.close()
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(HANG) and "address" in state, "the server did not start"
+    try:
+        yield state["address"]
+    finally:
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+        thread.join(HANG)
+
+
+@pytest.mark.parametrize("factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("first_loop", ["closed", "stopped"])
+def test_a_channel_is_used_again_from_a_new_event_loop(factory, first_loop):
+    """Two `asyncio.run(main())` with one module-level Channel (or run_until_complete on two
+    loops): the second loop connects anew instead of using the first loop's connection."""
+    with echo_server_in_a_thread() as address, warnings.catch_warnings():
+        # The first loop ends with the connection open (as the pattern does), which
+        # asyncio and uvloop report as a ResourceWarning once it is collected.
+        warnings.simplefilter("ignore", ResourceWarning)
+        channel = aiobrpc.Channel(address, aiobrpc.ChannelOptions(timeout_ms=-1))
+        stub = aiobrpc.Stub(channel, SERVICE)
+
+        async def main(message: str, close: bool) -> str:
+            try:
+                return (await ends(stub.Echo(Req(message=message)))).message
+            finally:
+                if close:
+                    await channel.close()
+
+        loops = [factory(), factory()]
+        try:
+            assert loops[0].run_until_complete(main("first", False)) == "first"
+            if first_loop == "closed":
+                loops[0].close()
+            assert loops[1].run_until_complete(main("second", True)) == "second"
+            assert channel.stats.connections_made == 2
+        finally:
+            for loop in loops:
+                loop.close()
+            gc.collect()
+
+
+def test_a_channel_in_use_by_a_loop_still_running_says_so():
+    with echo_server_in_a_thread() as address:
+        channel = aiobrpc.Channel(address, aiobrpc.ChannelOptions(timeout_ms=-1))
+        stub = aiobrpc.Stub(channel, SERVICE)
+        in_use, finish = threading.Event(), threading.Event()
+
+        async def use_and_keep_running() -> None:
+            await ends(stub.Echo(Req(message="there")))
+            in_use.set()
+            while not finish.is_set():
+                await asyncio.sleep(0.005)
+            await channel.close()
+
+        other = threading.Thread(target=asyncio.run, args=(use_and_keep_running(),), daemon=True)
+        other.start()
+        loop = asyncio.new_event_loop()
+        try:
+            assert in_use.wait(HANG)
+            cntl = aiobrpc.Controller()
+            with pytest.raises(aiobrpc.RpcError) as ei:
+                loop.run_until_complete(ends(stub.Echo(Req(message="here"), cntl)))
+            assert ei.value.code == cntl.error_code == errors.EINVAL
+            assert "a Channel belongs to one loop at a time" in ei.value.text
+        finally:
+            loop.close()
+            finish.set()
+            other.join(HANG)
+        assert not other.is_alive()
