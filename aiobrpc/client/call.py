@@ -20,12 +20,14 @@ Rules (brpc's docs/en/client.md, docs/hostile_inputs.md D5-D10):
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from .. import _fast
 from ..controller import Controller
-from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST,
-                      ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
+from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
+                      EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, content
 from .pool import SINGLE
 from .retry import NEVER_RETRIED, RetryPolicy, retry_allowed
@@ -35,6 +37,26 @@ _DEFAULT_RETRY_POLICY = RetryPolicy()
 _REFUSED_BY_SERVER = frozenset({ELIMIT, ELOGOFF, EOVERCROWDED})  # the handler did not run
 _MAX_EXCLUDED = 8
 _now_ns = time.perf_counter_ns
+
+log = logging.getLogger(__name__)
+
+
+class CallbackFailed(Exception):
+    """A user callback (a policy, the load balancer) raised: `error` ends the call it served,
+    without a retry (the same callback would decide it). Logged once, here."""
+
+    def __init__(self, what: str, exc: Exception) -> None:
+        super().__init__(what)
+        log.error("%s raised %r; the call fails with EINTERNAL", what, exc, exc_info=exc)
+        self.error = RpcError(EINTERNAL, f"{what} raised {exc!r}")
+
+
+def _ask(what: str, callback, *args):
+    """`callback(*args)`, a user's: what it raises becomes CallbackFailed."""
+    try:
+        return callback(*args)
+    except Exception as e:
+        raise CallbackFailed(what, e) from None
 
 
 class AttemptInfo:
@@ -69,11 +91,18 @@ class Attempt:
         self.task = None
         self.done = False
 
+    # The connection calls these from its protocol callbacks: nothing may escape to the loop.
     def on_response(self, ev) -> None:
-        self.call._ended(self, ev, None)
+        try:
+            self.call._ended(self, ev, None)
+        except Exception as e:
+            self.call._fail(e)
 
     def on_failed(self, err: RpcError) -> None:
-        self.call._ended(self, None, err)
+        try:
+            self.call._ended(self, None, err)
+        except Exception as e:
+            self.call._fail(e)
 
 
 class Call:
@@ -117,16 +146,21 @@ class Call:
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
         loop = self.loop
+        self.channel._calls.add(self)  # until _complete: closing the channel ends it
         if self.deadline is not None:
             self.timer = loop.call_at(self.deadline, self._timed_out)
         opts = self.channel.options
-        # A backup repeats the work, so never for non-idempotent methods.
-        if self.idempotent and (opts.backup_request_ms >= 0 or opts.backup_request_policy is not None
-                                or self.cntl.backup_request_ms is not None):
-            ms = self._backup_delay_ms()
-            if ms >= 0 and (self.timeout_ms < 0 or ms < self.timeout_ms):
-                self.backup_ms = ms
-                self.backup_timer = loop.call_later(ms / 1000, self._backup_due)
+        try:
+            # A backup repeats the work, so never for non-idempotent methods.
+            if self.idempotent and (opts.backup_request_ms >= 0 or opts.backup_request_policy is not None
+                                    or self.cntl.backup_request_ms is not None):
+                ms = self._backup_delay_ms()
+                if ms >= 0 and (self.timeout_ms < 0 or ms < self.timeout_ms):
+                    self.backup_ms = ms
+                    self.backup_timer = loop.call_later(ms / 1000, self._backup_due)
+        except Exception as e:
+            self._fail(e)
+            return
         self._issue(False)
 
     def _backup_delay_ms(self) -> int:
@@ -135,7 +169,7 @@ class Call:
             ms = self.channel.options.backup_request_ms
         policy = self.channel.options.backup_request_policy
         if policy is not None:
-            chosen = policy.backup_request_ms(self.cntl)
+            chosen = _ask("backup_request_policy.backup_request_ms", policy.backup_request_ms, self.cntl)
             if chosen != -1:  # -1: the channel's (or controller's) delay
                 ms = chosen if chosen >= 0 else -1
         return ms
@@ -148,29 +182,41 @@ class Call:
         att = Attempt(self, backup)
         self.current = att
         try:
-            pool = self.channel._select_server(self.excluded)
-        except RpcError as e:
-            self._ended(att, None, e)
-            return
-        att.pool = pool
-        conn = pool.ready(self.ctype)
-        if conn is not None:
-            self._send(att, conn)
-        else:
-            att.task = self.loop.create_task(self._connect_then_send(att))
+            try:
+                pool = self.channel._select_server(self.excluded)
+            except RpcError as e:
+                self._ended(att, None, e)
+                return
+            att.pool = pool
+            conn = pool.ready(self.ctype)
+            if conn is not None:
+                self._send(att, conn)
+            else:
+                att.task = self.loop.create_task(self._connect_then_send(att))
+        except Exception as e:  # also from a loop callback (a retry's backoff): it ends the call
+            self._fail(e)
 
     async def _connect_then_send(self, att: Attempt) -> None:
         try:
-            conn = await att.pool.connect(self.loop, self.deadline, self.ctype)
-        except RpcError as e:
+            try:
+                conn = await att.pool.connect(self.loop, self.deadline, self.ctype)
+            except RpcError as e:
+                att.task = None
+                self._ended(att, None, e)
+                return
+            except asyncio.CancelledError:
+                att.task = None
+                if not att.done:  # not abandoned by the call: the loop is shutting down
+                    self._ended(att, None, RpcError(ECANCELED, f"Connecting to {att.pool.address} was cancelled"))
+                raise
             att.task = None
-            self._ended(att, None, e)
-            return
-        att.task = None
-        if att.done:  # abandoned meanwhile: the connection serves later calls
-            att.pool.release(conn, self.ctype, True)
-            return
-        self._send(att, conn)
+            if att.done:  # abandoned meanwhile: the connection serves later calls
+                att.pool.release(conn, self.ctype, True)
+                return
+            self._send(att, conn)
+        except Exception as e:  # anything else the connect raised ends the call, never the task
+            att.task = None
+            self._fail(e)
 
     def _send(self, att: Attempt, conn) -> None:
         channel = self.channel
@@ -202,10 +248,8 @@ class Call:
         cid = conn._next_cid
         conn._next_cid = cid + 1
         meta.correlation_id = cid
-        if conn.needs_credential:
-            conn.needs_credential = False
-            if conn.credential is not None:
-                meta.authentication_data = conn.credential
+        if conn.needs_credential and conn.credential is not None:
+            meta.authentication_data = conn.credential
         fields = cntl._request_user_fields
         if fields:
             meta.user_fields = list(fields.items())
@@ -225,6 +269,7 @@ class Call:
         except (LocalProtocolError, ValueError, TypeError) as e:
             self._ended(att, None, RpcError(EREQUEST, f"Fail to pack request: {e}"))
             return
+        conn.needs_credential = False  # only once the request that carries it is sure to go
         att.cid = cid
         conn.pending[cid] = att
         att.sent = True
@@ -265,7 +310,10 @@ class Call:
             if lb is not None or pool.breaker is not None:
                 latency_us = (_now_ns() - att.start_ns) // 1000
                 if lb is not None:
-                    lb.feedback(pool.node, code, latency_us)
+                    try:  # _ask's work, inline: this runs for every reply
+                        lb.feedback(pool.node, code, latency_us)
+                    except Exception as e:
+                        raise CallbackFailed("load_balancer.feedback", e) from None
                 pool.feedback(code, latency_us)
             if code == ELOGOFF and ev is not None:
                 pool.log_off()
@@ -315,7 +363,7 @@ class Call:
         cntl.error_code = code
         policy = self.channel.options.retry_policy or _DEFAULT_RETRY_POLICY
         try:
-            if not retry_allowed(policy, cntl):
+            if not _ask("retry_policy.do_retry", retry_allowed, policy, cntl):
                 return False
         finally:
             cntl.error_code = 0
@@ -331,21 +379,21 @@ class Call:
             return False
         cntl = self.cntl
         cntl.error_code = 0
-        if not policy.do_retry(cntl):
+        if not _ask("retry_policy.do_retry", policy.do_retry, cntl):
             return False
         cntl._forget_response()  # the discarded reply's
         return True
 
     def _retry(self, att: Attempt) -> None:
-        self._exclude(att)
-        self.retried += 1
-        self.channel.stats.retries += 1
         # Rounded to the microsecond: uvloop's clock moves in whole milliseconds, and without
         # rounding a retry in the call's first millisecond is told 300.0000000001 of 300 ms.
         remaining_ms = float("inf") if self.deadline is None else round((self.deadline - self.loop.time()) * 1000, 3)
         policy = self.channel.options.retry_policy or _DEFAULT_RETRY_POLICY
-        self.cntl.retried_count = self.retried
-        backoff_ms = policy.backoff_ms(self.cntl, remaining_ms)
+        self.cntl.retried_count = self.retried + 1
+        backoff_ms = _ask("retry_policy.backoff_ms", policy.backoff_ms, self.cntl, remaining_ms)
+        self._exclude(att)  # counted once the policy did not fail the call
+        self.retried += 1
+        self.channel.stats.retries += 1
         if backoff_ms > 0 and backoff_ms < remaining_ms:
             self.retry_handle = self.loop.call_later(backoff_ms / 1000, self._issue)
         elif att.sent:
@@ -367,6 +415,12 @@ class Call:
         self.backup_timer = None
         if self.finished or self.retry_handle is not None:
             return  # a retry is already on its way
+        try:
+            self._send_backup()
+        except Exception as e:
+            self._fail(e)
+
+    def _send_backup(self) -> None:
         cur = self.current
         if self.retried >= self.max_retry:
             # brpc: with no retry left, the backup timer ends the call (brpc's docs/en/client.md).
@@ -374,7 +428,7 @@ class Call:
             self._complete(None, None, RpcError(EBACKUPREQUEST, f"Reached backup timeout={self.backup_ms}ms @{where}"))
             return
         policy = self.channel.options.backup_request_policy
-        if policy is not None and not policy.do_backup(self.cntl):
+        if policy is not None and not _ask("backup_request_policy.do_backup", policy.do_backup, self.cntl):
             return
         if cur is not None:
             self._exclude(cur)
@@ -389,6 +443,12 @@ class Call:
         self.timer = None
         if self.finished:
             return
+        try:
+            self._end_at_deadline()
+        except Exception as e:
+            self._fail(e)
+
+    def _end_at_deadline(self) -> None:
         self.channel.stats.timeouts += 1
         # Attempts still waiting failed at the deadline: their servers' breakers and the load
         # balancer hear it, so a server that never answers is isolated (brpc's docs/en/client.md).
@@ -398,7 +458,7 @@ class Call:
             if att is not None and att.sent and not att.done and att.pool is not None:
                 latency_us = (now - att.start_ns) // 1000
                 if lb is not None:
-                    lb.feedback(att.pool.node, ERPCTIMEDOUT, latency_us)
+                    _ask("load_balancer.feedback", lb.feedback, att.pool.node, ERPCTIMEDOUT, latency_us)
                 att.pool.feedback(ERPCTIMEDOUT, latency_us)
         cur = self.current
         where = cur.pool.address if cur is not None and cur.pool is not None else self.channel.address
@@ -411,11 +471,32 @@ class Call:
         self.channel.stats.cancelled += 1
         self._complete(None, None, RpcError(ECANCELED, "RPC was cancelled by the caller"))
 
+    def abort(self, err: RpcError) -> None:
+        """End the call now with `err`, whatever it waits for (the channel is closing)."""
+        self._complete(None, None, err)
+
+    def _fail(self, e: Exception) -> None:
+        """A step of the call raised `e` (a user callback, or a bug): the call ends with it."""
+        if isinstance(e, CallbackFailed):
+            err = e.error
+        elif isinstance(e, RpcError):
+            err = e
+        else:
+            log.error("call to %s/%s failed internally: %r", self.service_name, self.method_name, e, exc_info=e)
+            err = RpcError(EINTERNAL, f"Internal error of the call: {e!r}")
+        if not self.finished:
+            self._complete(None, None, err)
+        elif not self.fut.done():  # it raised while completing: the caller still gets its answer
+            self.cntl.error_code = err.code
+            self.cntl.error_text = err.text
+            self.fut.set_exception(err)
+
     # -- completion --------------------------------------------------------------------------
     def _complete(self, att: Attempt | None, response, err: RpcError | None) -> None:
         if self.finished:
             return
         self.finished = True
+        self.channel._calls.discard(self)
         side = att if att is not None else self.current  # whose server the controller names
         if self.timer is not None:
             self.timer.cancel()
@@ -440,7 +521,12 @@ class Call:
             cntl.error_text = err.text
         policy = self.channel.options.backup_request_policy
         if policy is not None:
-            policy.on_rpc_end(cntl)
+            try:
+                policy.on_rpc_end(cntl)
+            except Exception as e:
+                err = CallbackFailed("backup_request_policy.on_rpc_end", e).error
+                cntl.error_code = err.code
+                cntl.error_text = err.text
         fut = self.fut
         if not fut.done():
             if err is None:

@@ -19,15 +19,15 @@ import logging
 from google.protobuf.message import EncodeError
 
 from ..controller import Controller
-from ..errors import EHOSTDOWN, ENODATA, EREQUEST, RpcError
+from ..errors import EFAILEDSOCKET, EHOSTDOWN, EINVAL, ENODATA, EREQUEST, RpcError
 from ..options import ChannelOptions
 from ..protocol import content
-from .call import Call
+from .call import Call, CallbackFailed
 from .connection import ClientStats
 from .lb import create_load_balancer
 from .naming import ServerNode, create_naming_service, is_naming_url
 from .naming.list import ListNamingService
-from .pool import ServerPool
+from .pool import ServerPool, cancel_on_dead_loop
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,10 @@ class Channel:
     """A client of one server ("host:port") or of a cluster (a naming-service URL plus
     `load_balancer`, e.g. "list://10.0.0.1:8000,10.0.0.2:8000" and "rr").
 
-    Make it inside a running event loop and use it from that loop; it connects on the first
-    call (or `connect()`). `async with Channel(...) as channel:` closes it at the end.
+    It connects on the first call (or `connect()`), on the running event loop, and is used
+    from one loop at a time. Once that loop has ended (`asyncio.run` returned), a call from a
+    new loop connects anew: the connections, timers and tasks of the old one are dropped.
+    `async with Channel(...) as channel:` closes it at the end.
 
     Attributes:
         options (ChannelOptions): The channel's options (defaults when none were given).
@@ -72,6 +74,8 @@ class Channel:
         self._single: ServerPool | None = None
         self._watch: asyncio.Task | None = None
         self._first_list: asyncio.Future | None = None
+        self._calls: set[Call] = set()  # started and not ended
+        self._loop: asyncio.AbstractEventLoop | None = None  # where its connections, timers and tasks live
         self._closed = False
         if isinstance(address, str) and is_naming_url(address):
             if not load_balancer:
@@ -124,7 +128,12 @@ class Channel:
         pools = self.pools
         if not pools:
             raise RpcError(ENODATA, f"Fail to select server: {self.address} lists no server")
-        node = self.lb.select(excluded=excluded, available=lambda n: pools[n].available)
+        try:
+            node = self.lb.select(excluded=excluded, available=lambda n: pools[n].available)
+        except RpcError:
+            raise
+        except Exception as e:
+            raise CallbackFailed("load_balancer.select", e) from None
         return pools[node]
 
     def is_idempotent(self, service_name: str, method_name: str) -> bool:
@@ -135,7 +144,7 @@ class Channel:
         """Connect to every server now instead of on the first call: the single connection,
         or one idle pooled connection, of each server (short: a connection made and closed,
         a reachability check). Raises RpcError when one fails."""
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop()
         ctype = self.options.connection_type
         for pool in list(self.pools.values()):
             if ctype == "single":
@@ -166,17 +175,34 @@ class Channel:
 
     # -- closing -----------------------------------------------------------------------------
     async def close(self) -> None:
-        """Close every connection; calls in flight fail with EFAILEDSOCKET."""
+        """Close every connection; calls in flight fail at once with EFAILEDSOCKET (no retry)."""
+        self._running_loop()
         self._closed = True
+        self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed"))
+        if self._first_list is not None and not self._first_list.done():
+            self._first_list.set_result(None)  # calls waiting for it find the channel closed
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
             self._watch = None
         if self.naming is not None:
-            await self.naming.close()
+            try:
+                await self.naming.close()
+            except Exception as e:  # the connections close all the same
+                log.error("naming service %s failed to close: %r", self.address, e, exc_info=e)
         for pool in list(self.pools.values()):
             await pool.close()
         await asyncio.sleep(0)
+
+    def _end_calls(self, err: RpcError) -> None:
+        """End every call in flight now, wherever it is: on a connection, connecting, waiting
+        for a retry's backoff (their attempts would otherwise fail one by one and be retried)."""
+        calls, self._calls = self._calls, set()
+        for call in calls:
+            try:
+                call.abort(RpcError(err.code, err.text))
+            except RuntimeError:  # a call of a closed loop (the channel moved on): no one waits for it
+                pass
 
     async def __aenter__(self) -> Channel:
         return self
@@ -196,6 +222,12 @@ class Channel:
         else:
             cntl.reset_result()
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            try:
+                self._move_to(loop)
+            except RpcError as e:
+                cntl.error_code, cntl.error_text = e.code, e.text
+                raise
         cntl.service_name = service_name
         cntl.method_name = method_name
         try:
@@ -203,13 +235,12 @@ class Channel:
         except (EncodeError, ValueError, TypeError) as e:
             cntl.error_code, cntl.error_text = EREQUEST, f"Fail to serialize request: {e}"
             raise RpcError(EREQUEST, cntl.error_text) from None
-        if self._closed:
-            cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
-            raise RpcError(EHOSTDOWN, cntl.error_text)
+        self._check_open(cntl)
         started = None
         if self.lb is not None and not self.pools and (self._first_list is None or not self._first_list.done()):
             started = loop.time()  # the wait for the first list is part of the call's time
             await self._wait_first_list(loop, cntl)
+            self._check_open(cntl)  # closed while it waited
         call = Call(self, loop, service_name, method_name, serialized, response_class, cntl, started)
         call.start()
         try:
@@ -220,16 +251,52 @@ class Channel:
         finally:
             call = None  # the failed future's traceback holds this frame: no cycle to the call
 
+    # -- event loops -------------------------------------------------------------------------
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._move_to(loop)
+        return loop
+
+    def _move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Use the channel from `loop`. The loop it was used from before, if any, has ended
+        (two `asyncio.run()` with one channel): what lived there is dropped, and made anew here."""
+        old = self._loop
+        if old is not None and old.is_running() and not old.is_closed():
+            raise RpcError(EINVAL, f"Channel to {self.address} is in use by an event loop still running "
+                                   "in another thread: a Channel belongs to one loop at a time")
+        self._loop = loop
+        if old is None:
+            return
+        for pool in self.pools.values():
+            pool.move_to(loop)
+        self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} moved to another event loop"))
+        if self._watch is not None:
+            cancel_on_dead_loop(self._watch)
+            self._start_watching(loop)
+            if self.pools:
+                self._first_list.set_result(None)
+        elif self._first_list is not None:
+            self._first_list = None
+
+    def _check_open(self, cntl: Controller) -> None:
+        if self._closed:
+            cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
+            raise RpcError(EHOSTDOWN, cntl.error_text)
+
     async def _wait_first_list(self, loop, cntl: Controller) -> None:
         """A dynamic naming service: start watching, and wait (bounded) for its first list."""
         if self._first_list is None:
-            self._first_list = loop.create_future()
-            self._watch = loop.create_task(self._watch_naming())
+            self._start_watching(loop)
         timeout_ms = self.options.timeout_ms if cntl.timeout_ms is None else cntl.timeout_ms
         try:
             await asyncio.wait_for(asyncio.shield(self._first_list), None if timeout_ms < 0 else timeout_ms / 1000)
         except asyncio.TimeoutError:
             pass  # the call fails with ENODATA
+
+    def _start_watching(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._first_list = loop.create_future()
+        self._watch = loop.create_task(self._watch_naming())
 
     def __repr__(self) -> str:
         return f"<Channel {self.address} {self.options.connection_type} {len(self.pools)} servers>"

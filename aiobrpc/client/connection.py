@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 
 from .._proto import brpc_streaming_pb2
 from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError, RpcError
@@ -135,6 +136,25 @@ class ClientConnection(FramedConnection):
             err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc!r}")
         for attempt in pending.values():
             attempt.on_failed(RpcError(err.code, err.text))
+
+    def drop(self) -> None:
+        """Its event loop ended (the channel moved to a new one): forget the connection without
+        that loop. The server is told at once; the socket itself closes with the transport when
+        the loop is closed (asyncio's transports cannot close without their loop)."""
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        self.is_closed = True
+        self.pending = {}  # the calls of that loop ended with it
+        self.stats.connections_lost += 1
+        try:
+            transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError, TypeError):  # gone already; uvloop's socket has no shutdown()
+            pass
+        try:
+            transport.abort()
+        except RuntimeError:  # "Event loop is closed"
+            pass
 
 
 def show_bytes(head: bytes, more: bool = False) -> str:

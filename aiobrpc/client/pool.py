@@ -60,6 +60,7 @@ class ServerPool:
         self._connect_timeouts = 0
         self._health: asyncio.Task | None = None
         self.closed = False
+        self.closed_why = ""
 
     # -- getting a connection ----------------------------------------------------------------
     def ready(self, ctype: str) -> ClientConnection | None:
@@ -78,7 +79,7 @@ class ServerPool:
     async def connect(self, loop, deadline: float | None, ctype: str) -> ClientConnection:
         """A new connection (single: the shared one), within connect_timeout_ms and `deadline`."""
         if self.closed:
-            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
+            raise RpcError(EFAILEDSOCKET, f"Not connecting to {self.address}: {self.closed_why}")
         if ctype != SINGLE:
             return await self._connect(loop, deadline, ctype)
         conn = self.ready(SINGLE)
@@ -87,12 +88,17 @@ class ServerPool:
         if self._connecting is None:
             self._connecting = loop.create_task(self._connect(loop, None, SINGLE))
         task = self._connecting
-        if deadline is None:
-            return await asyncio.shield(task)
         try:
+            if deadline is None:
+                return await asyncio.shield(task)
             return await asyncio.wait_for(asyncio.shield(task), max(deadline - loop.time(), 0))
         except asyncio.TimeoutError:
             raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None
+        except asyncio.CancelledError:
+            if task.cancelled() and self.closed:  # the shared connect was stopped, not this waiter
+                raise RpcError(EFAILEDSOCKET, f"Connecting to {self.address} was stopped: "
+                                              f"{self.closed_why}") from None
+            raise
 
     async def _connect(self, loop, deadline: float | None, ctype: str) -> ClientConnection:
         opts = self.options
@@ -137,7 +143,7 @@ class ServerPool:
         self._connect_timeouts = 0
         if self.closed:
             conn.close()
-            raise RpcError(EFAILEDSOCKET, f"Channel to {self.address} is closed")
+            raise RpcError(EFAILEDSOCKET, f"Not connecting to {self.address}: {self.closed_why}")
         self.connections.add(conn)
         if ctype == SINGLE:
             self.single = conn
@@ -280,11 +286,29 @@ class ServerPool:
         self._isolation.reset()
         log.info("server %s is revived", self.address)
 
+    # -- event loops ---------------------------------------------------------------------------
+    def move_to(self, loop) -> None:
+        """The loop of its connections, timers and tasks ended: drop them all; what is needed is
+        made anew on `loop` (a down server is health-checked from there)."""
+        for conn in self.connections:
+            conn.drop()
+        self.connections.clear()
+        self.single = None
+        self._idle.clear()
+        checking = self._health is not None
+        for handle in (self._connecting, self._health, self._idle_timer):
+            if handle is not None:
+                cancel_on_dead_loop(handle)
+        self._connecting = self._health = self._idle_timer = None
+        if checking and not self.closed:
+            self._health = loop.create_task(self._health_check(self._isolation.isolation_duration_ms / 1000))
+
     # -- closing -------------------------------------------------------------------------------
     def retire(self) -> None:
         """The server left the naming service's list: no health checks, no new calls; the
         connections close (calls still on them fail over like any broken connection)."""
         self.closed = True
+        self.closed_why = "the server left the naming service's list"
         for t in (self._connecting, self._health):
             if t is not None:
                 t.cancel()
@@ -298,6 +322,7 @@ class ServerPool:
 
     async def close(self) -> None:
         self.closed = True
+        self.closed_why = "the channel was closed"
         tasks = [t for t in (self._connecting, self._health) if t is not None]
         for t in tasks:
             t.cancel()
@@ -317,6 +342,13 @@ class ServerPool:
         return f"<ServerPool {self.address} {state} {len(self.connections)} connections>"
 
 
+def cancel_on_dead_loop(handle) -> None:
+    try:
+        handle.cancel()
+    except RuntimeError:  # its loop is closed: nothing of it runs again anyway
+        pass
+
+
 def _unresolvable(host: str, e: Exception) -> str:
     """Why `host` has no address, in words (not gaierror's bare number)."""
     if isinstance(e, socket.gaierror):
@@ -332,6 +364,7 @@ async def _credential(auth, address: str) -> bytes:
         if inspect.isawaitable(cred):
             cred = await cred
     except Exception as e:
+        log.error("auth.generate_credential() for %s raised %r", address, e, exc_info=e)
         raise RpcError(EREQUEST, f"Fail to generate credential for {address}: {e!r}") from None
     if isinstance(cred, str):
         cred = cred.encode()
