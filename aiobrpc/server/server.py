@@ -19,8 +19,8 @@ from ..options import ServerOptions
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
-from .dispatch import (Registry, admission_error, error_response, parse_request, server_controller,
-                       success_response)
+from .dispatch import (Registry, admission_error, error_response, exception_text, parse_request,
+                       server_controller, success_response)
 
 log = logging.getLogger(__name__)
 _new_task = asyncio.Task
@@ -66,11 +66,13 @@ class Server:
     """A baidu_std server. Add servicers, `await start(address)`, later `stop()` and `join()`.
 
     Each request runs in its own task (`async def` handlers) or in the thread pool (plain
-    `def` handlers), so a slow handler never delays the others. A handler returns its
-    response message, or raises `RpcError(code, text)` to send that code and text (for a bad
-    request: `errors.EREQUEST`); any other exception is logged and sent as EINTERNAL, and a
-    response of the wrong type as ERESPONSE. `async with Server(...) as server:` stops and
-    joins it at the end.
+    `def` handlers), so a slow handler never delays the others. A handler returns its response
+    message, or raises `RpcError(code, text)` to send that code and text (for a bad request:
+    `errors.EREQUEST`); any other exception is logged and sent as EINTERNAL. A response that
+    cannot be sent (of the wrong type, an attachment that is not a buffer, a user field that
+    is not a string) is logged and sent as ERESPONSE, and an error that cannot be sent (code 0
+    or beyond int32, text that is not UTF-8) as EINTERNAL: every request gets a reply.
+    `async with Server(...) as server:` stops and joins it at the end.
 
     Attributes:
         options (ServerOptions): The server's options (defaults when none were given).
@@ -91,6 +93,7 @@ class Server:
         self.concurrency = 0
         self.stopping = False
         self.closing_connections = False
+        self._cancelling_requests = False  # join() cancels them: a CancelledError then is not a failure
         self._listener: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._idle_event: asyncio.Event | None = None
@@ -126,6 +129,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self.stopping = False
         self.closing_connections = False
+        self._cancelling_requests = False
         self._idle_event = asyncio.Event()
         self._idle_event.set()
         self._listener = await loop.create_server(lambda: ServerConnection(self), host, port,
@@ -150,6 +154,7 @@ class Server:
                 await asyncio.wait_for(self._idle_event.wait(), timeout)
             except asyncio.TimeoutError:
                 log.warning("cancelling %d requests still running after %ss", self.concurrency, timeout)
+        self._cancelling_requests = True
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
@@ -246,10 +251,13 @@ class Server:
                     response = await conn.loop.run_in_executor(self._thread_pool(), entry.handler,
                                                                request, cntl)
             except RpcError as e:
-                cntl.set_failed(e.code, e.text)
+                _set_failed(cntl, entry, e.code, e.text)
+            except asyncio.CancelledError as e:
+                if self._cancelling_requests:
+                    raise
+                self._handler_failed(cntl, entry, e)
             except Exception as e:
-                log.exception("handler %s failed", entry.full_name)
-                cntl.set_failed(EINTERNAL, f"{type(e).__name__}: {e}")
+                self._handler_failed(cntl, entry, e)
             if conn.is_closed:
                 self.stats.dropped_replies += 1
                 return
@@ -257,20 +265,16 @@ class Server:
                 self.stats.count_close("close_connection")
                 conn.close()
                 return
-            bufs = None
-            if not cntl.failed:
-                if not isinstance(response, entry.response_class):
-                    cntl.set_failed(ERESPONSE, f"handler returned {type(response).__name__}, expected "
-                                    f"{entry.response_class.DESCRIPTOR.full_name}")
-                else:
-                    try:
-                        bufs = success_response(meta, response, cntl)
-                    except RpcError as e:
-                        cntl.set_failed(e.code, e.text)
-            if cntl.failed:
+            bufs = None if cntl.failed else _success_reply(meta, entry, response, cntl)
+            if bufs is None:
                 self.stats.failed_requests += 1
-                bufs = error_response(conn, meta, cntl.error_code, cntl.error_text, self._tag(conn))
+                bufs = _error_reply(conn, meta, entry, cntl, self._tag(conn))
             conn.write(bufs, buffers_size(bufs), conn.inflight == 1)
+        except Exception:
+            # Not even an error reply could be built: closing is how the caller learns it.
+            log.exception("no reply to %s from %s could be built; closing the connection", entry.full_name,
+                          conn.peer)
+            conn.abort()
         finally:
             self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1
@@ -278,8 +282,52 @@ class Server:
                 self._idle_event.set()
             conn.request_done()
 
+    @staticmethod
+    def _handler_failed(cntl, entry, e: BaseException) -> None:
+        log.error("handler %s failed", entry.full_name, exc_info=e)
+        _set_failed(cntl, entry, EINTERNAL, exception_text(e))
+
     def _thread_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self.options.handler_threads, thread_name_prefix="aiobrpc-handler")
         return self._executor
+
+
+# -- the reply to a request whose handler has returned ----------------------------------------
+# Each step turns what the handler left that cannot be sent into an error that can, named in
+# the reply and logged once: the caller always gets an answer.
+
+def _set_failed(cntl, entry, code, text) -> None:
+    """cntl.set_failed(code, text); a code it rejects (0, as brpc's SetFailed) becomes EINTERNAL."""
+    try:
+        cntl.set_failed(code, text)
+    except Exception as e:
+        why = f"the handler's error RpcError({code!r}, {text!r}) is invalid: {exception_text(e)}"
+        log.error("%s: %s", entry.full_name, why)
+        cntl.error_code, cntl.error_text = EINTERNAL, why
+
+
+def _success_reply(meta, entry, response, cntl) -> list | None:
+    """The reply carrying `response`, or None with `cntl` failed by why it cannot be sent."""
+    if not isinstance(response, entry.response_class):
+        why = f"handler returned {type(response).__name__}, expected {entry.response_class.DESCRIPTOR.full_name}"
+    else:
+        try:
+            return success_response(meta, response, cntl)
+        except RpcError as e:
+            why = e.text
+    log.error("%s: %s", entry.full_name, why)
+    _set_failed(cntl, entry, ERESPONSE, why)
+    return None
+
+
+def _error_reply(conn, meta, entry, cntl, tag: str) -> list:
+    """The reply carrying cntl's error, or an EINTERNAL one naming why that cannot be sent."""
+    try:
+        return error_response(conn, meta, cntl.error_code, cntl.error_text, tag)
+    except Exception as e:
+        why = (f"the handler's error [E{cntl.error_code!r}]{cntl.error_text!r} cannot be sent: "
+               f"{exception_text(e)}")
+        log.error("%s: %s", entry.full_name, why)
+        return error_response(conn, meta, EINTERNAL, why, tag)
