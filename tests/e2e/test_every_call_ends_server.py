@@ -1,7 +1,8 @@
 """Issue 15, server side: every call ends with a reply, never silence.
 
 Whatever a handler raises or leaves in its controller, the caller gets an error reply at once
-(or, if even that cannot be built, the connection closes).
+(or, if even that cannot be built, the connection closes), also when an authenticator
+fails.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
-from tests.helpers.interop_server import SERVICE
+from tests.helpers.interop_server import SERVICE, InteropEcho
 
 Req = interop_pb2.EchoRequest
 Resp = interop_pb2.EchoResponse
@@ -171,3 +172,35 @@ async def test_server_shutdown_still_cancels_handlers_without_a_reply():
         await asyncio.wait_for(call, HANG_LIMIT_S)
     assert ei.value.code != errors.EINTERNAL  # the connection closed; no "handler failed" reply
     await channel.close()
+
+
+class CancellingAuth:
+    def __init__(self, is_async: bool) -> None:
+        self.is_async = is_async
+
+    def verify_credential(self, credential, peer):
+        if self.is_async:
+            return self._verdict()
+        raise asyncio.CancelledError()
+
+    async def _verdict(self):
+        raise asyncio.CancelledError()
+
+
+class Cred:
+    def generate_credential(self):
+        return b"secret"
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+async def test_an_authenticator_raising_cancelled_error_rejects(is_async):
+    server = aiobrpc.Server(aiobrpc.ServerOptions(auth=CancellingAuth(is_async)))
+    servicer = InteropEcho()
+    server.add_service(servicer)
+    await server.start("127.0.0.1:0")
+    channel = aiobrpc.Channel(server.address, aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=0, auth=Cred()))
+    e = await call_error(aiobrpc.Stub(channel, SERVICE).Echo, Req(message="x"))
+    assert e.code == errors.ERPCAUTH and servicer.calls_served == 0
+    await channel.close()
+    await server.stop()
+    await asyncio.wait_for(server.join(timeout=1), HANG_LIMIT_S)
