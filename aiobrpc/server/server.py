@@ -27,6 +27,7 @@ _new_task = asyncio.Task
 _current_task = asyncio.current_task
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 _refuse_log = RateLimitedLog()
+_CLOSE_GRACE_SEC = 1.0  # join() without a timeout: how long peers get to read their last replies
 
 
 class ServerStats:
@@ -146,9 +147,36 @@ class Server:
             self._listener.close()
 
     async def join(self, timeout: float | None = None) -> None:
-        """Wait for in-flight requests (up to `timeout` s, then cancel them), close connections."""
+        """Wait for in-flight requests (up to `timeout` s, then cancel them) and close connections.
+
+        Replies still unsent get what is left of `timeout` (without one, 1 s) to be read;
+        then the connections of peers that do not read them are aborted, so that join()
+        returns and frees them whatever the peers do.
+        """
         if not self.stopping:
             await self.stop()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        await self._finish_requests(timeout)
+        self.closing_connections = True
+        for conn in list(self.connections):
+            conn.close()
+        if self._idle_checker is not None:
+            self._idle_checker.cancel()
+            await asyncio.gather(self._idle_checker, return_exceptions=True)
+            self._idle_checker = None
+        grace = _CLOSE_GRACE_SEC if deadline is None else max(0.0, deadline - loop.time())
+        if not await self._connections_closed(grace):
+            self._abort_connections(grace)
+            await self._connections_closed(_CLOSE_GRACE_SEC)  # connection_lost comes a loop iteration later
+        if self._listener is not None:
+            await self._listener.wait_closed()  # from 3.12 it waits for every connection: all are closed now
+            self._listener = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    async def _finish_requests(self, timeout: float | None) -> None:
         if self._idle_event is not None and not self._idle_event.is_set():
             try:
                 await asyncio.wait_for(self._idle_event.wait(), timeout)
@@ -158,24 +186,26 @@ class Server:
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.closing_connections = True
-        for conn in list(self.connections):
-            conn.close()
-        if self._idle_checker is not None:
-            self._idle_checker.cancel()
-            await asyncio.gather(self._idle_checker, return_exceptions=True)
-            self._idle_checker = None
-        if self._listener is not None:
-            await self._listener.wait_closed()
-            self._listener = None
-        for _ in range(100):
-            if not self.connections:
-                break
+            _, running = await asyncio.wait(list(self._tasks), timeout=_CLOSE_GRACE_SEC)
+            if running:
+                log.warning("%d requests ignored their cancellation; their replies will be dropped",
+                            len(running))
+
+    async def _connections_closed(self, within: float) -> bool:
+        """Whether every connection has closed, waiting up to `within` seconds."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        while self.connections and loop.time() < end:
             await asyncio.sleep(0.01)
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+        return not self.connections
+
+    def _abort_connections(self, waited: float) -> None:
+        unread = [conn for conn in self.connections if conn.unwritten_bytes()]
+        if unread:
+            log.warning("aborting %d connections whose peers did not read %d bytes of replies within %.3gs",
+                        len(unread), sum(conn.unwritten_bytes() for conn in unread), waited)
+        for conn in list(self.connections):
+            conn.abort()
 
     async def __aenter__(self) -> Server:
         return self

@@ -1,8 +1,8 @@
 """Issue 15, server side: every call ends with a reply, never silence.
 
 Whatever a handler raises or leaves in its controller, the caller gets an error reply at once
-(or, if even that cannot be built, the connection closes), also when an authenticator
-fails.
+(or, if even that cannot be built, the connection closes); `join(timeout)` frees connections
+whose peer never reads.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 
 import pytest
 
@@ -17,9 +18,11 @@ import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
 from tests.helpers.interop_server import SERVICE, InteropEcho
+from tests.helpers.wire import frame, rpc_meta
 
 Req = interop_pb2.EchoRequest
 Resp = interop_pb2.EchoResponse
+MIB = 1 << 20
 HANG_LIMIT_S = 5  # a call that would wait forever fails the test after this
 
 
@@ -204,3 +207,75 @@ async def test_an_authenticator_raising_cancelled_error_rejects(is_async):
     await channel.close()
     await server.stop()
     await asyncio.wait_for(server.join(timeout=1), HANG_LIMIT_S)
+
+
+# --- 2. join() frees connections whose peer never reads ---------------------------------------
+
+async def _queue_unread_replies(server, sock, n: int, size: int) -> None:
+    loop = asyncio.get_running_loop()
+    ask = Req(message="big", response_attachment_size=size).SerializeToString()
+    await loop.sock_sendall(sock, b"".join(
+        frame(rpc_meta(service="interop.EchoService", correlation_id=i), ask) for i in range(n)))
+    for _ in range(500):
+        conn = next(iter(server.connections), None)
+        if conn is not None and conn.hold_events and conn.unwritten_bytes() > 0:
+            return  # its transport paused writing: the replies are queued, and requests wait unread
+        await asyncio.sleep(0.01)
+    raise AssertionError("the server queued no replies")
+
+
+@pytest.mark.parametrize("timeout", [1, None])
+async def test_join_aborts_connections_whose_peer_does_not_read(timeout):
+    server = aiobrpc.Server()
+    server.add_service(InteropEcho())
+    await server.start("127.0.0.1:0")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        await _queue_unread_replies(server, sock, 32, MIB)
+        transports = [conn.transport for conn in server.connections]
+        await server.stop()
+        await asyncio.wait_for(server.join(timeout=timeout), HANG_LIMIT_S)
+        assert not server.connections
+        assert all(t.is_closing() and t.get_write_buffer_size() == 0 for t in transports)
+    finally:
+        sock.close()  # a failed test leaves nothing behind: the server sees the reset
+        await server.stop()
+        await asyncio.wait_for(server.join(timeout=1), HANG_LIMIT_S)
+
+
+async def test_join_returns_when_a_handler_ignores_its_cancellation():
+    started, released, finished = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    class Stubborn(aiobrpc.Servicer):
+        SERVICE = SERVICE
+
+        async def Echo(self, request, cntl):
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                await released.wait()
+            finally:
+                finished.set()
+            return Resp(message="late")
+
+    server = aiobrpc.Server()
+    server.add_service(Stubborn())
+    await server.start("127.0.0.1:0")
+    channel = aiobrpc.Channel(server.address, aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=0))
+    call = asyncio.ensure_future(aiobrpc.Stub(channel, SERVICE).Echo(Req(message="x")))
+    try:
+        await asyncio.wait_for(started.wait(), HANG_LIMIT_S)
+        await server.stop()
+        await asyncio.wait_for(server.join(timeout=0.1), HANG_LIMIT_S)
+        assert not server.connections
+        with pytest.raises(aiobrpc.RpcError):  # the connection closed under the call
+            await asyncio.wait_for(call, HANG_LIMIT_S)
+    finally:
+        released.set()
+        await asyncio.wait_for(finished.wait(), HANG_LIMIT_S)
+        await channel.close()
+    assert server.stats.dropped_replies == 1
