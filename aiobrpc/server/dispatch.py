@@ -31,9 +31,21 @@ class MethodEntry:
         self.method_name = descriptor.name
         self.full_name = f"{self.service_name}/{self.method_name}"
         self.handler = handler
-        self.is_async = inspect.iscoroutinefunction(handler)
+        self.is_async = is_async_handler(handler)
         self.request_class = message_class(descriptor.input_type)
         self.response_class = message_class(descriptor.output_type)
+
+
+def is_async_handler(handler) -> bool:
+    """Whether `handler` is an async def, also behind a decorator that keeps `__wrapped__`
+    (functools.wraps) or as an object's `async def __call__`: it then runs on the loop, not in
+    the thread pool."""
+    try:
+        unwrapped = inspect.unwrap(handler)
+    except ValueError:  # a __wrapped__ cycle
+        unwrapped = handler
+    return (inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(unwrapped)
+            or inspect.iscoroutinefunction(getattr(handler, "__call__", None)))
 
 
 class Registry:

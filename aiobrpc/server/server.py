@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import inspect
 import logging
 import sys
 
@@ -66,8 +67,9 @@ class ServerStats:
 class Server:
     """A baidu_std server. Add servicers, `await start(address)`, later `stop()` and `join()`.
 
-    Each request runs in its own task (`async def` handlers) or in the thread pool (plain
-    `def` handlers), so a slow handler never delays the others. A handler returns its response
+    Each request runs in its own task (`async def` handlers, also behind a decorator) or in
+    the thread pool (plain `def` handlers), so a slow handler never delays the others; an
+    awaitable a handler returns is awaited on the loop. A handler returns its response
     message, or raises `RpcError(code, text)` to send that code and text (for a bad request:
     `errors.EREQUEST`); any other exception is logged and sent as EINTERNAL. A response that
     cannot be sent (of the wrong type, an attachment that is not a buffer, a user field that
@@ -280,6 +282,9 @@ class Server:
                 else:
                     response = await conn.loop.run_in_executor(self._thread_pool(), entry.handler,
                                                                request, cntl)
+                if type(response) is not entry.response_class:
+                    while inspect.isawaitable(response):  # from a plain def, or a decorator's wrapper
+                        response = await response
             except RpcError as e:
                 _set_failed(cntl, entry, e.code, e.text)
             except asyncio.CancelledError as e:

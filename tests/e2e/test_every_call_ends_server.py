@@ -2,15 +2,17 @@
 
 Whatever a handler raises or leaves in its controller, the caller gets an error reply at once
 (or, if even that cannot be built, the connection closes); `join(timeout)` frees connections
-whose peer never reads.
+whose peer never reads; an awaitable a handler returns is awaited.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
+import threading
 
 import pytest
 
@@ -279,3 +281,47 @@ async def test_join_returns_when_a_handler_ignores_its_cancellation():
         await asyncio.wait_for(finished.wait(), HANG_LIMIT_S)
         await channel.close()
     assert server.stats.dropped_replies == 1
+
+
+# --- 3. an awaitable a handler returns is awaited ---------------------------------------------
+
+def counted(fn):
+    """A plain decorator: the wrapper is a def that returns what the async def returns."""
+    @functools.wraps(fn)
+    def wrapper(self, request, cntl):
+        self.wrapper_threads.append(threading.get_ident())
+        return fn(self, request, cntl)
+    return wrapper
+
+
+class Decorated(aiobrpc.Servicer):
+    SERVICE = SERVICE
+
+    def __init__(self) -> None:
+        self.wrapper_threads: list[int] = []
+
+    @counted
+    async def Echo(self, request, cntl):
+        await asyncio.sleep(0)
+        return Resp(message="async " + request.message)
+
+    def StartStream(self, request, cntl):  # a plain def, run in the thread pool
+        return self._later(request)
+
+    async def _later(self, request):
+        await asyncio.sleep(0)
+        return Resp(message="awaited " + request.message)
+
+
+async def test_an_async_handler_behind_a_decorator_runs_on_the_loop():
+    servicer = Decorated()
+    async with serving(servicer) as (_, stub):
+        resp = await asyncio.wait_for(stub.Echo(Req(message="hi")), HANG_LIMIT_S)
+    assert resp.message == "async hi"
+    assert servicer.wrapper_threads == [threading.get_ident()]
+
+
+async def test_an_awaitable_a_sync_handler_returns_is_awaited_on_the_loop():
+    async with serving(Decorated()) as (_, stub):
+        resp = await asyncio.wait_for(stub.StartStream(Req(message="hi")), HANG_LIMIT_S)
+    assert resp.message == "awaited hi"
