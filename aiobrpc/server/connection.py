@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 
@@ -84,19 +85,24 @@ class ServerConnection(FramedConnection):
         credential = ev.meta.authentication_data or b""
         try:
             verdict = self.server.options.auth.verify_credential(credential, self.peer)
-        except Exception as e:
+            if not inspect.isawaitable(verdict):
+                verdict = bool(verdict)
+        except (Exception, asyncio.CancelledError) as e:  # in no task: a CancelledError is the authenticator's
             self._auth_done(ev, credential, False, f"authenticator raised {e!r}")
             return
-        if inspect.isawaitable(verdict):
+        if type(verdict) is bool:
+            self._auth_done(ev, credential, verdict, "")
+        else:
             task = self.loop.create_task(self._await_verdict(ev, credential, verdict))
             self.server._track(task)
-        else:
-            self._auth_done(ev, credential, bool(verdict), "")
 
     async def _await_verdict(self, ev, credential, verdict) -> None:
         try:
-            ok = bool(await verdict)
-            why = ""
+            ok, why = bool(await verdict), ""
+        except asyncio.CancelledError as e:
+            if self.server._cancelling_requests:
+                raise
+            ok, why = False, f"authenticator raised {e!r}"
         except Exception as e:
             ok, why = False, f"authenticator raised {e!r}"
         self._auth_done(ev, credential, ok, why)

@@ -31,9 +31,21 @@ class MethodEntry:
         self.method_name = descriptor.name
         self.full_name = f"{self.service_name}/{self.method_name}"
         self.handler = handler
-        self.is_async = inspect.iscoroutinefunction(handler)
+        self.is_async = is_async_handler(handler)
         self.request_class = message_class(descriptor.input_type)
         self.response_class = message_class(descriptor.output_type)
+
+
+def is_async_handler(handler) -> bool:
+    """Whether `handler` is an async def, also behind a decorator that keeps `__wrapped__`
+    (functools.wraps) or as an object's `async def __call__`: it then runs on the loop, not in
+    the thread pool."""
+    try:
+        unwrapped = inspect.unwrap(handler)
+    except ValueError:  # a __wrapped__ cycle
+        unwrapped = handler
+    return (inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(unwrapped)
+            or inspect.iscoroutinefunction(getattr(handler, "__call__", None)))
 
 
 class Registry:
@@ -143,21 +155,33 @@ def error_response(conn, request_meta, code: int, text: str, tag: str) -> list:
 
 
 def success_response(request_meta, response, cntl: Controller) -> list:
+    """The reply carrying `response` as the handler's settings in `cntl` ask; RpcError(ERESPONSE)
+    naming what the handler set that cannot be sent."""
     try:
         serialized = response.SerializeToString()
     except EncodeError as e:
         raise RpcError(ERESPONSE, f"Fail to serialize response={response.DESCRIPTOR.full_name}: {e}") from None
+    attachment = cntl.response_attachment
+    if attachment is not None and type(attachment) is not bytes:
+        try:
+            attachment = _fast.byte_view(attachment)
+        except Exception as e:
+            raise RpcError(ERESPONSE, f"cntl.response_attachment cannot be sent: {exception_text(e)}") from None
+    try:
+        return _pack_response(request_meta, serialized, attachment, cntl)
+    except Exception as e:  # what the handler set in cntl: user fields, compression, checksum
+        raise RpcError(ERESPONSE, f"Fail to pack response={response.DESCRIPTOR.full_name}: "
+                       f"{exception_text(e)}") from None
+
+
+def _pack_response(request_meta, serialized, attachment, cntl: Controller) -> list:
     meta = _fast.RpcMeta()
     meta.has_response = True
     meta.error_code = 0
     meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
-    attachment = cntl.response_attachment
     if cntl.response_compress_type or cntl.response_checksum_type or cntl.response_checksum_with_attachment:
-        try:
-            data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
-                                         cntl.response_checksum_type, cntl.response_checksum_with_attachment)
-        except ValueError as e:
-            raise RpcError(ERESPONSE, str(e)) from None
+        data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
+                                     cntl.response_checksum_type, cntl.response_checksum_with_attachment)
     else:
         data = serialized
         meta.compress_type = 0
@@ -171,6 +195,16 @@ def success_response(request_meta, response, cntl: Controller) -> list:
         meta.checksum_type = 0
         meta.checksum_value = request_meta.checksum_value if request_meta.checksum_value is not None else b""
     return baidu_std.pack(meta, data, attachment)
+
+
+def exception_text(e: BaseException) -> str:
+    """"Type: message" of an exception, sendable as an error text: also when its str() fails
+    or holds lone surrogates (as `os.fsdecode` makes of undecodable bytes)."""
+    try:
+        text = f"{type(e).__name__}: {e}"
+    except Exception:
+        return f"{type(e).__name__} (its str() failed)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def auth_failure_response(request_meta, extra: str = "") -> list:

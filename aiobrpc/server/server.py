@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import inspect
 import logging
 import sys
 
@@ -19,14 +20,15 @@ from ..options import ServerOptions
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
-from .dispatch import (Registry, admission_error, error_response, parse_request, server_controller,
-                       success_response)
+from .dispatch import (Registry, admission_error, error_response, exception_text, parse_request,
+                       server_controller, success_response)
 
 log = logging.getLogger(__name__)
 _new_task = asyncio.Task
 _current_task = asyncio.current_task
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 _refuse_log = RateLimitedLog()
+_CLOSE_GRACE_SEC = 1.0  # join() without a timeout: how long peers get to read their last replies
 
 
 class ServerStats:
@@ -65,12 +67,15 @@ class ServerStats:
 class Server:
     """A baidu_std server. Add servicers, `await start(address)`, later `stop()` and `join()`.
 
-    Each request runs in its own task (`async def` handlers) or in the thread pool (plain
-    `def` handlers), so a slow handler never delays the others. A handler returns its
-    response message, or raises `RpcError(code, text)` to send that code and text (for a bad
-    request: `errors.EREQUEST`); any other exception is logged and sent as EINTERNAL, and a
-    response of the wrong type as ERESPONSE. `async with Server(...) as server:` stops and
-    joins it at the end.
+    Each request runs in its own task (`async def` handlers, also behind a decorator) or in
+    the thread pool (plain `def` handlers), so a slow handler never delays the others; an
+    awaitable a handler returns is awaited on the loop. A handler returns its response
+    message, or raises `RpcError(code, text)` to send that code and text (for a bad request:
+    `errors.EREQUEST`); any other exception is logged and sent as EINTERNAL. A response that
+    cannot be sent (of the wrong type, an attachment that is not a buffer, a user field that
+    is not a string) is logged and sent as ERESPONSE, and an error that cannot be sent (code 0
+    or beyond int32, text that is not UTF-8) as EINTERNAL: every request gets a reply.
+    `async with Server(...) as server:` stops and joins it at the end.
 
     Attributes:
         options (ServerOptions): The server's options (defaults when none were given).
@@ -91,6 +96,7 @@ class Server:
         self.concurrency = 0
         self.stopping = False
         self.closing_connections = False
+        self._cancelling_requests = False  # join() cancels them: a CancelledError then is not a failure
         self._listener: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._idle_event: asyncio.Event | None = None
@@ -126,6 +132,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self.stopping = False
         self.closing_connections = False
+        self._cancelling_requests = False
         self._idle_event = asyncio.Event()
         self._idle_event.set()
         self._listener = await loop.create_server(lambda: ServerConnection(self), host, port,
@@ -142,18 +149,17 @@ class Server:
             self._listener.close()
 
     async def join(self, timeout: float | None = None) -> None:
-        """Wait for in-flight requests (up to `timeout` s, then cancel them), close connections."""
+        """Wait for in-flight requests (up to `timeout` s, then cancel them) and close connections.
+
+        Replies still unsent get what is left of `timeout` (without one, 1 s) to be read;
+        then the connections of peers that do not read them are aborted, so that join()
+        returns and frees them whatever the peers do.
+        """
         if not self.stopping:
             await self.stop()
-        if self._idle_event is not None and not self._idle_event.is_set():
-            try:
-                await asyncio.wait_for(self._idle_event.wait(), timeout)
-            except asyncio.TimeoutError:
-                log.warning("cancelling %d requests still running after %ss", self.concurrency, timeout)
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        await self._finish_requests(timeout)
         self.closing_connections = True
         for conn in list(self.connections):
             conn.close()
@@ -161,16 +167,47 @@ class Server:
             self._idle_checker.cancel()
             await asyncio.gather(self._idle_checker, return_exceptions=True)
             self._idle_checker = None
+        grace = _CLOSE_GRACE_SEC if deadline is None else max(0.0, deadline - loop.time())
+        if not await self._connections_closed(grace):
+            self._abort_connections(grace)
+            await self._connections_closed(_CLOSE_GRACE_SEC)  # connection_lost comes a loop iteration later
         if self._listener is not None:
-            await self._listener.wait_closed()
+            await self._listener.wait_closed()  # from 3.12 it waits for every connection: all are closed now
             self._listener = None
-        for _ in range(100):
-            if not self.connections:
-                break
-            await asyncio.sleep(0.01)
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
+
+    async def _finish_requests(self, timeout: float | None) -> None:
+        if self._idle_event is not None and not self._idle_event.is_set():
+            try:
+                await asyncio.wait_for(self._idle_event.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("cancelling %d requests still running after %ss", self.concurrency, timeout)
+        self._cancelling_requests = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            _, running = await asyncio.wait(list(self._tasks), timeout=_CLOSE_GRACE_SEC)
+            if running:
+                log.warning("%d requests ignored their cancellation; their replies will be dropped",
+                            len(running))
+
+    async def _connections_closed(self, within: float) -> bool:
+        """Whether every connection has closed, waiting up to `within` seconds."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        while self.connections and loop.time() < end:
+            await asyncio.sleep(0.01)
+        return not self.connections
+
+    def _abort_connections(self, waited: float) -> None:
+        unread = [conn for conn in self.connections if conn.unwritten_bytes()]
+        if unread:
+            log.warning("aborting %d connections whose peers did not read %d bytes of replies within %.3gs",
+                        len(unread), sum(conn.unwritten_bytes() for conn in unread), waited)
+        for conn in list(self.connections):
+            conn.abort()
 
     async def __aenter__(self) -> Server:
         return self
@@ -245,11 +282,17 @@ class Server:
                 else:
                     response = await conn.loop.run_in_executor(self._thread_pool(), entry.handler,
                                                                request, cntl)
+                if type(response) is not entry.response_class:
+                    while inspect.isawaitable(response):  # from a plain def, or a decorator's wrapper
+                        response = await response
             except RpcError as e:
-                cntl.set_failed(e.code, e.text)
+                _set_failed(cntl, entry, e.code, e.text)
+            except asyncio.CancelledError as e:
+                if self._cancelling_requests:
+                    raise
+                self._handler_failed(cntl, entry, e)
             except Exception as e:
-                log.exception("handler %s failed", entry.full_name)
-                cntl.set_failed(EINTERNAL, f"{type(e).__name__}: {e}")
+                self._handler_failed(cntl, entry, e)
             if conn.is_closed:
                 self.stats.dropped_replies += 1
                 return
@@ -257,20 +300,16 @@ class Server:
                 self.stats.count_close("close_connection")
                 conn.close()
                 return
-            bufs = None
-            if not cntl.failed:
-                if not isinstance(response, entry.response_class):
-                    cntl.set_failed(ERESPONSE, f"handler returned {type(response).__name__}, expected "
-                                    f"{entry.response_class.DESCRIPTOR.full_name}")
-                else:
-                    try:
-                        bufs = success_response(meta, response, cntl)
-                    except RpcError as e:
-                        cntl.set_failed(e.code, e.text)
-            if cntl.failed:
+            bufs = None if cntl.failed else _success_reply(meta, entry, response, cntl)
+            if bufs is None:
                 self.stats.failed_requests += 1
-                bufs = error_response(conn, meta, cntl.error_code, cntl.error_text, self._tag(conn))
+                bufs = _error_reply(conn, meta, entry, cntl, self._tag(conn))
             conn.write(bufs, buffers_size(bufs), conn.inflight == 1)
+        except Exception:
+            # Not even an error reply could be built: closing is how the caller learns it.
+            log.exception("no reply to %s from %s could be built; closing the connection", entry.full_name,
+                          conn.peer)
+            conn.abort()
         finally:
             self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1
@@ -278,8 +317,52 @@ class Server:
                 self._idle_event.set()
             conn.request_done()
 
+    @staticmethod
+    def _handler_failed(cntl, entry, e: BaseException) -> None:
+        log.error("handler %s failed", entry.full_name, exc_info=e)
+        _set_failed(cntl, entry, EINTERNAL, exception_text(e))
+
     def _thread_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self.options.handler_threads, thread_name_prefix="aiobrpc-handler")
         return self._executor
+
+
+# -- the reply to a request whose handler has returned ----------------------------------------
+# Each step turns what the handler left that cannot be sent into an error that can, named in
+# the reply and logged once: the caller always gets an answer.
+
+def _set_failed(cntl, entry, code, text) -> None:
+    """cntl.set_failed(code, text); a code it rejects (0, as brpc's SetFailed) becomes EINTERNAL."""
+    try:
+        cntl.set_failed(code, text)
+    except Exception as e:
+        why = f"the handler's error RpcError({code!r}, {text!r}) is invalid: {exception_text(e)}"
+        log.error("%s: %s", entry.full_name, why)
+        cntl.error_code, cntl.error_text = EINTERNAL, why
+
+
+def _success_reply(meta, entry, response, cntl) -> list | None:
+    """The reply carrying `response`, or None with `cntl` failed by why it cannot be sent."""
+    if not isinstance(response, entry.response_class):
+        why = f"handler returned {type(response).__name__}, expected {entry.response_class.DESCRIPTOR.full_name}"
+    else:
+        try:
+            return success_response(meta, response, cntl)
+        except RpcError as e:
+            why = e.text
+    log.error("%s: %s", entry.full_name, why)
+    _set_failed(cntl, entry, ERESPONSE, why)
+    return None
+
+
+def _error_reply(conn, meta, entry, cntl, tag: str) -> list:
+    """The reply carrying cntl's error, or an EINTERNAL one naming why that cannot be sent."""
+    try:
+        return error_response(conn, meta, cntl.error_code, cntl.error_text, tag)
+    except Exception as e:
+        why = (f"the handler's error [E{cntl.error_code!r}]{cntl.error_text!r} cannot be sent: "
+               f"{exception_text(e)}")
+        log.error("%s: %s", entry.full_name, why)
+        return error_response(conn, meta, EINTERNAL, why, tag)
