@@ -29,12 +29,12 @@ HANG_LIMIT_S = 5  # a call that would wait forever fails the test after this
 
 
 @contextlib.asynccontextmanager
-async def serving(servicer, **options):
+async def serving(servicer, client_auth=None, **options):
     """(server, stub) of `servicer`; the stub's calls have no deadline and are never retried."""
     server = aiobrpc.Server(aiobrpc.ServerOptions(server_tag="t", **options))
     server.add_service(servicer)
     await server.start("127.0.0.1:0")
-    channel = aiobrpc.Channel(server.address, aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=0))
+    channel = aiobrpc.Channel(server.address, aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=0, auth=client_auth))
     try:
         yield server, aiobrpc.Stub(channel, SERVICE)
     finally:
@@ -199,16 +199,10 @@ class Cred:
 
 @pytest.mark.parametrize("is_async", [True, False])
 async def test_an_authenticator_raising_cancelled_error_rejects(is_async):
-    server = aiobrpc.Server(aiobrpc.ServerOptions(auth=CancellingAuth(is_async)))
     servicer = InteropEcho()
-    server.add_service(servicer)
-    await server.start("127.0.0.1:0")
-    channel = aiobrpc.Channel(server.address, aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=0, auth=Cred()))
-    e = await call_error(aiobrpc.Stub(channel, SERVICE).Echo, Req(message="x"))
+    async with serving(servicer, client_auth=Cred(), auth=CancellingAuth(is_async)) as (_, stub):
+        e = await call_error(stub.Echo, Req(message="x"))
     assert e.code == errors.ERPCAUTH and servicer.calls_served == 0
-    await channel.close()
-    await server.stop()
-    await asyncio.wait_for(server.join(timeout=1), HANG_LIMIT_S)
 
 
 # --- 2. join() frees connections whose peer never reads ---------------------------------------
