@@ -16,7 +16,7 @@ import pytest_asyncio
 import aiobrpc
 from aiobrpc import _fast
 from aiobrpc._proto import interop_pb2
-from tests.helpers.interop_server import SERVICE, InteropEcho
+from tests.helpers.interop_server import SERVICE, InteropEcho, running_echo
 
 Req = interop_pb2.EchoRequest
 
@@ -36,15 +36,8 @@ class KeepingEcho(InteropEcho):
 @pytest_asyncio.fixture
 async def keeping():
     """(server, servicer) of KeepingEcho on an ephemeral port."""
-    servicer = KeepingEcho()
-    server = aiobrpc.Server(aiobrpc.ServerOptions())
-    server.add_service(servicer)
-    await server.start("127.0.0.1:0")
-    try:
-        yield server, servicer
-    finally:
-        await server.stop()
-        await server.join(timeout=2)
+    async with running_echo(servicer=KeepingEcho()) as pair:
+        yield pair
 
 
 def held_by(views) -> int:

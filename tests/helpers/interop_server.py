@@ -75,10 +75,10 @@ class InteropEcho(aiobrpc.Servicer):
 
 
 @contextlib.asynccontextmanager
-async def running_echo(options: aiobrpc.ServerOptions | None = None):
-    """(server, servicer) of InteropEcho on an ephemeral 127.0.0.1 port; on exit the server
-    stops and must have closed every connection."""
-    servicer = InteropEcho()
+async def running_echo(options: aiobrpc.ServerOptions | None = None, servicer: InteropEcho | None = None):
+    """(server, servicer) of `servicer` (an InteropEcho by default) on an ephemeral 127.0.0.1
+    port; on exit the server stops and must have closed every connection."""
+    servicer = servicer if servicer is not None else InteropEcho()
     server = aiobrpc.Server(options)
     server.add_service(servicer)
     await server.start("127.0.0.1:0")
