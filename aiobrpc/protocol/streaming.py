@@ -109,34 +109,58 @@ def data_head(meta: bytes, data_size: int) -> bytes:
     return _header(body, n) + meta
 
 
-def data_frames(stream_id: int, source_stream_id: int, message, max_segment_size: int = DEFAULT_MAX_SEGMENT_SIZE) -> list:
+def data_frames(stream_id: int, source_stream_id: int, message,
+                max_segment_size: int = DEFAULT_MAX_SEGMENT_SIZE) -> list:
     """The DATA frames of one message as a list of buffers: (head, payload view) per segment.
 
     `message` is any C-contiguous buffer, referenced, never copied. Segments of
     `max_segment_size` bytes carry has_continuation, the last one does not.
     """
-    view = message if type(message) is memoryview else memoryview(message)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B") if view.c_contiguous else None
-        if view is None:
-            raise LocalProtocolError("a stream message must be a C-contiguous buffer")
-    size = view.nbytes
+    view = message_view(message)
+    return segments(view, view.nbytes, data_meta(stream_id, source_stream_id, False),
+                    data_meta(stream_id, source_stream_id, True), max_segment_size)
+
+
+def segments(view: memoryview, size: int, last_meta: bytes, more_meta: bytes, max_segment_size: int) -> list:
+    """`view` (of `size` bytes) cut into DATA frames: head, payload, head, payload, ..."""
     if max_segment_size <= 0:
         raise LocalProtocolError(f"max_segment_size must be > 0, got {max_segment_size}")
     if size <= max_segment_size:
-        return [data_head(data_meta(stream_id, source_stream_id, False), size), view] if size else \
-            [data_head(data_meta(stream_id, source_stream_id, False), 0)]
+        return [data_head(last_meta, size), view] if size else [data_head(last_meta, 0)]
     out = []
-    more = data_head(data_meta(stream_id, source_stream_id, True), max_segment_size)
+    more = data_head(more_meta, max_segment_size)
     for start in range(0, size, max_segment_size):
         end = start + max_segment_size
         if end >= size:
-            out.append(data_head(data_meta(stream_id, source_stream_id, False), size - start))
+            out.append(data_head(last_meta, size - start))
             out.append(view[start:])
         else:
             out.append(more)
             out.append(view[start:end])
     return out
+
+
+def message_view(message) -> memoryview:
+    """A flat byte view of any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
+    try:
+        view = message if type(message) is memoryview else memoryview(message)
+    except TypeError:
+        raise TypeError(f"a stream message must be a buffer (bytes, bytearray, memoryview, "
+                        f"an array), got {type(message).__name__}") from None
+    if view.ndim != 1 or view.itemsize != 1 or view.format != "B":
+        if not view.c_contiguous:
+            raise ValueError("a stream message must be a C-contiguous buffer: send "
+                             "np.ascontiguousarray(a) for a strided array")
+        view = view.cast("B")
+    elif not view.c_contiguous:
+        raise ValueError("a stream message must be a C-contiguous buffer")
+    return view
+
+
+def wrap(stream_id: int, source_stream_id: int, bufs: list, nbytes: int) -> list:
+    """A PRPC frame (`bufs`, `nbytes` long) inside one STRM DATA frame: how a server answers a
+    call that offered streams."""
+    return [data_head(data_meta(stream_id, source_stream_id, False), nbytes), *bufs]
 
 
 # -- decoding ------------------------------------------------------------------------------------
