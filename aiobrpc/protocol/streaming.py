@@ -191,8 +191,10 @@ def decode_frame_meta(buf) -> FrameMeta:
     frame is bad: the framing around it held)."""
     try:
         m = _FrameMeta.FromString(buf)
-    except DecodeError as e:  # also a missing stream_id, which is required
+    except DecodeError as e:
         raise RemoteProtocolError(f"unparsable StreamFrameMeta ({e})", fatal=False) from None
+    if not m.HasField("stream_id"):
+        raise RemoteProtocolError("StreamFrameMeta without its required stream_id", fatal=False)
     ftype = m.frame_type if m.HasField("frame_type") else UNKNOWN
     consumed = None
     if m.HasField("feedback"):
@@ -239,6 +241,8 @@ def decode_settings(buf) -> Settings:
         s = _Settings.FromString(bytes(buf))
     except DecodeError as e:
         raise RemoteProtocolError(f"unparsable StreamSettings ({e})", fatal=False) from None
+    if not s.HasField("stream_id"):
+        raise RemoteProtocolError("StreamSettings without its required stream_id", fatal=False)
     return Settings(s.stream_id, s.need_feedback, s.writable, s.extra_stream_ids)
 
 

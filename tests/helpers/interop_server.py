@@ -107,7 +107,8 @@ async def running_echo(options: aiobrpc.ServerOptions | None = None, servicer: I
     finally:
         await server.stop()
         await server.join(timeout=2)
-        if servicer.stream_tasks:  # the streams ended with their connections: so do the echoes
-            await asyncio.wait(list(servicer.stream_tasks), timeout=2)
+        tasks = getattr(servicer, "stream_tasks", None)
+        if tasks:  # the streams ended with their connections: so do the echoes
+            await asyncio.wait(list(tasks), timeout=2)
     assert not server.connections
-    assert not servicer.stream_tasks
+    assert not getattr(servicer, "stream_tasks", None)
