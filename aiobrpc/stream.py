@@ -48,12 +48,12 @@ class StreamHandler:
     iterating. Every method is optional; `on_received_messages` may be `async def` (the next
     batch waits for it, and what it consumed is reported to the writer after it returns).
 
-    >>> class Printer(aiobrpc.StreamHandler):
+    >>> class Printer(aiobrpc.StreamHandler):  # doctest: +SKIP
     ...     def on_received_messages(self, stream, messages):
     ...         for m in messages:
     ...             print(bytes(m))
     ...     def on_closed(self, stream):
-    ...         print("closed")  # doctest: +SKIP
+    ...         print("closed")
     """
 
     def on_received_messages(self, stream: Stream, messages: list) -> Any:
@@ -75,8 +75,8 @@ class Stream:
 
     Client:
 
-    >>> cntl = aiobrpc.Controller()
-    >>> stream = aiobrpc.Stream.create(cntl)
+    >>> cntl = aiobrpc.Controller()  # doctest: +SKIP
+    >>> stream = aiobrpc.Stream.create(cntl)  # doctest: +SKIP
     >>> await stub.StartStream(request, cntl)  # doctest: +SKIP
     >>> await stream.write(b"hello")  # doctest: +SKIP
     >>> async for message in stream:  # doctest: +SKIP
