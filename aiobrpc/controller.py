@@ -29,7 +29,7 @@ class Controller:
     Server side: the request's fields are filled in (`log_id`, `timeout_ms` is the deadline
     the client propagated or None, `request_attachment`, `request_user_fields`,
     `request_compress_type`, `request_checksum_type`, `request_checksum_with_attachment`,
-    `authentication_data`, `remote_side`); the handler may set `response_attachment`,
+    `authentication_data`, `remote_side`, `has_remote_stream`); the handler may set `response_attachment`,
     `response_user_fields`, `response_compress_type`, `response_checksum_type` (or
     `response_checksum`), `response_checksum_with_attachment`, call `set_failed(code, text)`
     or `close_connection(reason)`.
