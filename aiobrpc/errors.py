@@ -11,7 +11,7 @@ retry set, `DEFAULT_RETRYABLE`; a call is retried only while `max_retry` and its
 | code | number | meaning | retried |
 |---|---|---|---|
 | `EREQUEST` | 1003 | bad request: what a handler raises for invalid input; also a request that could not be serialized or packed (a non-contiguous attachment), or that the server could not parse | never |
-| `EINTERNAL` | 2001 | the handler failed: any exception other than RpcError is sent as this | no |
+| `EINTERNAL` | 2001 | the handler failed: any exception other than RpcError is sent as this; on the client, a user callback (retry or backup policy, load balancer) raised, which ends that call alone (logged once) | no |
 | `ERESPONSE` | 2002 | bad response: not parsed by the client, or a handler returned the wrong type | no |
 | `ENOSERVICE`, `ENOMETHOD` | 1001, 1002 | the server has no such service or method | no |
 | `ERPCAUTH` | 1004 | the server rejected the credential (`auth`) | no |
@@ -25,7 +25,8 @@ retry set, `DEFAULT_RETRYABLE`; a call is retried only while `max_retry` and its
 | `ECONNREFUSED`, `ETIMEDOUT` | 111, 110 | the connect was refused or timed out (`connect_timeout_ms`) | yes |
 | `EHOSTDOWN` | 112 | the server is marked down (health check running), or the channel is closed | yes |
 | `EHOSTUNREACH` | 113 | the host name does not resolve | no |
-| `ENODATA` | 61 | the naming service lists no server | yes |
+| `ENODATA` | 61 | the naming service lists no server (the text names its last fault, when it failed) | yes |
+| `EINVAL` | 22 | a Channel was called from a second event loop while the first still runs in another thread | no |
 
 A handler may also raise codes of its own (any int but 0, clear of the numbers above);
 `describe()` calls them "Unknown error N" unless the text says more.

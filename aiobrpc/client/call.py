@@ -345,7 +345,7 @@ class Call:
         throttle = opts.retry_throttle
         if code == 0:
             if throttle is not None:
-                throttle.on_success()
+                _ask("retry_throttle.on_success", throttle.on_success)
             if opts.retry_policy is not None and self._policy_retries_success(att, opts.retry_policy):
                 self._retry(att)  # brpc: a custom policy may retry a success (it is discarded)
                 return
@@ -362,9 +362,9 @@ class Call:
                 # for the throttle, not one per call (that would drain it in one event).
                 if not conn.failure_counted:
                     conn.failure_counted = True
-                    throttle.on_failure()
+                    _ask("retry_throttle.on_failure", throttle.on_failure)
             else:
-                throttle.on_failure()
+                _ask("retry_throttle.on_failure", throttle.on_failure)
         errors = self.errors
         if errors is None:
             errors = self.errors = []
@@ -397,7 +397,7 @@ class Call:
         finally:
             cntl.error_code = 0
         throttle = self.channel.options.retry_throttle
-        if throttle is not None and not throttle.allow_retry():
+        if throttle is not None and not _ask("retry_throttle.allow_retry", throttle.allow_retry):
             self.channel.stats.retries_throttled += 1
             return False
         return True

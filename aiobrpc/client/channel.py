@@ -31,6 +31,10 @@ from .pool import ServerPool, cancel_on_dead_loop
 
 log = logging.getLogger(__name__)
 
+# A naming service whose watch raised is watched again after this backoff, doubled per failure.
+NAMING_RETRY_MIN_S = 0.1
+NAMING_RETRY_MAX_S = 10.0
+
 
 def parse_address(address: str) -> tuple[str, int]:
     """'host:port' or '[v6]:port' -> (host, port), with a clear error for anything else."""
@@ -74,6 +78,7 @@ class Channel:
         self._single: ServerPool | None = None
         self._watch: asyncio.Task | None = None
         self._first_list: asyncio.Future | None = None
+        self._naming_error = ""  # the naming service's last fault, until its next good list
         self._calls: set[Call] = set()  # started and not ended
         self._loop: asyncio.AbstractEventLoop | None = None  # where its connections, timers and tasks live
         self._closed = False
@@ -97,25 +102,63 @@ class Channel:
         self.host, self.port = (self._single.host, self._single.port) if self._single else ("", 0)
 
     # -- servers -----------------------------------------------------------------------------
-    def _set_servers(self, servers: list) -> None:
-        """A new server list from the naming service: diffed by (address, tag)."""
+    def _set_servers(self, servers) -> None:
+        """A new server list from the naming service: diffed by (address, tag).
+
+        A list that is not ServerNode items, or that the load balancer refuses, raises before
+        anything changes: the channel keeps its last list."""
+        if isinstance(servers, (str, bytes)) or not hasattr(servers, "__iter__"):
+            raise TypeError(f"a server list must be an iterable of ServerNode, got {type(servers).__name__}")
+        servers = list(servers)
+        for node in servers:
+            if not isinstance(node, ServerNode):
+                raise TypeError(f"a server list must hold ServerNode items, got {node!r}")
         wanted = dict.fromkeys(servers)
+        try:
+            self.lb.set_servers(list(wanted))
+        except Exception as e:
+            raise ValueError(f"load_balancer.set_servers raised {e!r}") from e
         for node in list(self.pools):
             if node not in wanted:
                 self.pools.pop(node).retire()
         for node in wanted:
             if node not in self.pools:
                 self.pools[node] = ServerPool(node, self.options, self.stats)
-        self.lb.set_servers(list(wanted))
+        self._naming_error = ""
+        self._release_first_list_waiters()
+
+    def _release_first_list_waiters(self) -> None:
         if self._first_list is not None and not self._first_list.done():
             self._first_list.set_result(None)
 
     async def _watch_naming(self) -> None:
-        try:
-            async for servers in self.naming.watch():
-                self._set_servers(servers)
-        except Exception as e:  # a naming service failing keeps the last list
-            log.warning("naming service %s failed: %r; keeping %d servers", self.address, e, len(self.pools))
+        """Follow the naming service. Its faults are its own: a bad list is logged and skipped,
+        a watch that raises is logged and started again after a backoff (the last list is kept),
+        and calls waiting for a first list that did not come are released to fail with ENODATA
+        naming the fault."""
+        backoff = NAMING_RETRY_MIN_S
+        while True:
+            try:
+                async for servers in self.naming.watch():
+                    try:
+                        self._set_servers(servers)
+                    except (TypeError, ValueError) as e:
+                        self._naming_failed(f"gave a bad server list: {e}")
+                    else:
+                        backoff = NAMING_RETRY_MIN_S
+            except Exception as e:
+                self._naming_failed(f"failed: {e!r}")
+            else:
+                if not self.pools:
+                    self._naming_failed("stopped with no server listed")
+                return  # a static service: it yielded its list and is done
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, NAMING_RETRY_MAX_S)
+
+    def _naming_failed(self, why: str) -> None:
+        self._naming_error = f"naming service {self.address} {why}"
+        log.warning("%s; keeping %d servers", self._naming_error, len(self.pools))
+        self._release_first_list_waiters()
 
     def _select_server(self, excluded) -> ServerPool:
         """The server of the next attempt; RpcError(EHOSTDOWN/ENODATA) when there is none."""
@@ -127,7 +170,8 @@ class Channel:
                                       f"{'logged off' if pool.logged_off else 'down'}, health check running")
         pools = self.pools
         if not pools:
-            raise RpcError(ENODATA, f"Fail to select server: {self.address} lists no server")
+            why = f" ({self._naming_error})" if self._naming_error else ""
+            raise RpcError(ENODATA, f"Fail to select server: {self.address} lists no server{why}")
         try:
             node = self.lb.select(excluded=excluded, available=lambda n: pools[n].available)
         except RpcError:
@@ -179,8 +223,7 @@ class Channel:
         self._running_loop()
         self._closed = True
         self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed"))
-        if self._first_list is not None and not self._first_list.done():
-            self._first_list.set_result(None)  # calls waiting for it find the channel closed
+        self._release_first_list_waiters()  # calls waiting for it find the channel closed
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)

@@ -136,7 +136,7 @@ def parse_request(entry: MethodEntry, ev, max_decompressed_size: int):
             f"request_size={len(ev.data)} ({e})")) from None
 
 
-def error_response(conn, request_meta, code: int, text: str, tag: str) -> list:
+def error_response(request_meta, code: int, text: str, tag: str) -> list:
     """A meta-only error response, with the fields C++ writes (brpc's src/brpc/policy/baidu_rpc_protocol.cpp)."""
     meta = _fast.RpcMeta()
     meta.has_response = True

@@ -271,9 +271,13 @@ class Server:
                 raise RpcError(*rejected)
             entry = self.registry.lookup(meta.service_name, meta.method_name)
             request = parse_request(entry, ev, self.options.max_decompressed_size)
-        except RpcError as e:
+        except Exception as e:
+            if not isinstance(e, RpcError):  # a bug of ours: this request fails, the connection goes on
+                log.error("reading a request of %s/%s from %s raised %r", meta.service_name,
+                          meta.method_name, conn.peer, e, exc_info=e)
+                e = RpcError(EINTERNAL, f"Fail to read the request: {e!r}")
             self.stats.failed_requests += 1
-            bufs = error_response(conn, meta, e.code, e.text, self._tag(conn))
+            bufs = error_response(meta, e.code, e.text, self._tag(conn))
             if offer is not None:  # brpc answers inside the offered stream even when refusing it
                 bufs = streaming.wrap(offer.stream_id, streaming.INVALID_STREAM_ID, bufs, buffers_size(bufs))
             conn.write(bufs, buffers_size(bufs))
@@ -398,9 +402,9 @@ def _stream_reply(conn, cntl, bufs: list) -> None:
 def _error_reply(conn, meta, entry, cntl, tag: str) -> list:
     """The reply carrying cntl's error, or an EINTERNAL one naming why that cannot be sent."""
     try:
-        return error_response(conn, meta, cntl.error_code, cntl.error_text, tag)
+        return error_response(meta, cntl.error_code, cntl.error_text, tag)
     except Exception as e:
         why = (f"the handler's error [E{cntl.error_code!r}]{cntl.error_text!r} cannot be sent: "
                f"{exception_text(e)}")
         log.error("%s: %s", entry.full_name, why)
-        return error_response(conn, meta, EINTERNAL, why, tag)
+        return error_response(meta, EINTERNAL, why, tag)

@@ -120,6 +120,9 @@ class FramedConnection(asyncio.BufferedProtocol):
                 self.event_received(ev)
         except RemoteProtocolError as e:
             self.protocol_error(e)
+        except Exception as e:  # a bug of ours: this connection closes, named, the others go on
+            log.error("closing connection with %s: handling its bytes raised %r", self.peer, e, exc_info=e)
+            self.abort(e)
 
     def eof_received(self) -> bool:
         # Keep the write side open so replies to requests already received still go out

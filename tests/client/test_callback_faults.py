@@ -1,5 +1,6 @@
 """Randomized faults in every user-supplied callback on a call's path: the handler (async and in
-the thread pool), the retry policy, the backup policy and the authenticator, each raising for
+the thread pool), the retry policy, the backup policy, the authenticator, the naming service
+(raising, junk lists, stopping) and the load balancer (select, feedback, set_servers), each raising for
 some calls chosen at random. Every call must end (a result or an RpcError, never a hang), no
 exception may reach the loop (the loop_errors fixture), and once the faulty calls are over a
 clean call on the same channel succeeds on the same connection.
@@ -15,7 +16,12 @@ import pytest
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
+from aiobrpc.client import channel as channel_module
 from aiobrpc.client.backup import BackupRequestPolicy
+from aiobrpc.client.lb import register_load_balancer
+from aiobrpc.client.lb.rr import RoundRobinLoadBalancer
+from aiobrpc.client.naming import ServerNode, register_naming_service
+from aiobrpc.client.naming.base import NamingService
 from tests.helpers.interop_server import SERVICE, InteropEcho, running_echo
 
 HANG = 10  # seconds: a call still running by then would never have ended
@@ -145,3 +151,124 @@ async def test_a_raising_authenticator_ends_every_call_and_the_next_connection_w
         await asyncio.sleep(0.3)  # the server is marked down after an auth failure; revived by its health check
         resp = await asyncio.wait_for(stub.Echo(interop_pb2.EchoRequest(message="after")), HANG)
         assert resp.message == "after"
+
+
+class FaultyRR(RoundRobinLoadBalancer):
+    """Round robin whose select and feedback raise for the chosen calls (select knows the call
+    only by its order: the n-th select), and whose set_servers refuses some lists."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self.rng = rng
+
+    def select(self, **kw):
+        if self.rng.random() < 0.15:
+            raise Boom("select")
+        return super().select(**kw)
+
+    def feedback(self, server, error_code, latency_us) -> None:
+        if self.rng.random() < 0.15:
+            raise Boom("feedback")
+
+    def set_servers(self, servers) -> None:
+        if self.rng.random() < 0.3:
+            raise Boom("set_servers")
+        super().set_servers(servers)
+
+
+class FlakyNaming(NamingService):
+    """Yields the test's servers with faults between: raises, yields junk, stops early."""
+
+    nodes: list = []
+    rng = random.Random()
+
+    def __init__(self, rest: str) -> None:
+        pass
+
+    async def watch(self):
+        for _ in range(3):
+            fault = self.rng.choice(["raise", "junk", "none", "ok", "ok"])
+            if fault == "raise":
+                raise Boom("watch")
+            if fault == "junk":
+                yield [f"127.0.0.1:{n.port}" for n in self.nodes]
+            elif fault == "ok":
+                yield list(self.nodes)
+            await asyncio.sleep(self.rng.random() * 0.02)
+        yield list(self.nodes)
+        await asyncio.Event().wait()
+
+
+register_naming_service("flaky", FlakyNaming)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_faults_in_naming_service_and_load_balancer_end_only_their_own_calls(seed, monkeypatch):
+    monkeypatch.setattr(channel_module, "NAMING_RETRY_MIN_S", 0.005)
+    rng = random.Random(seed)
+    lb = FaultyRR(rng)
+    register_load_balancer("faulty-rr", lambda params: lb)
+    FlakyNaming.rng = rng
+    async with running_echo() as (a, _), running_echo() as (b, _):
+        FlakyNaming.nodes = [ServerNode("127.0.0.1", a.port), ServerNode("127.0.0.1", b.port)]
+        opts = aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=2)
+        async with aiobrpc.Channel("flaky://x", opts, load_balancer="faulty-rr") as channel:
+            stub = aiobrpc.Stub(channel, SERVICE)
+
+            async def call(i: int):
+                await asyncio.sleep(rng.random() * 0.05)
+                try:
+                    return await stub.Echo(interop_pb2.EchoRequest(message=str(i)), aiobrpc.Controller(log_id=i))
+                except aiobrpc.RpcError as e:
+                    return e
+
+            results = await asyncio.wait_for(asyncio.gather(*[call(i) for i in range(CALLS)]), HANG)
+            for i, r in enumerate(results):
+                assert isinstance(r, interop_pb2.EchoResponse) and r.message == str(i) or \
+                    isinstance(r, aiobrpc.RpcError) and r.code in (errors.EINTERNAL, errors.ENODATA), (i, r)
+            assert channel.pending_calls() == 0
+            lb.rng = random.Random(0)
+            lb.rng.random = lambda: 1.0  # no more faults
+            for _ in range(200):  # the watch ends up giving its list whatever came before
+                if len(channel.pools) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            resp = await asyncio.wait_for(stub.Echo(interop_pb2.EchoRequest(message="clean")), HANG)
+            assert resp.message == "clean"
+
+
+class FaultyThrottle(aiobrpc.RetryThrottle):
+    def __init__(self, fails: str) -> None:
+        super().__init__()
+        self.fails = fails
+
+    def allow_retry(self) -> bool:
+        if self.fails == "allow_retry":
+            raise Boom("allow_retry")
+        return super().allow_retry()
+
+    def on_success(self) -> None:
+        if self.fails == "on_success":
+            raise Boom("on_success")
+        super().on_success()
+
+    def on_failure(self) -> None:
+        if self.fails == "on_failure":
+            raise Boom("on_failure")
+        super().on_failure()
+
+
+@pytest.mark.parametrize("fails", ["allow_retry", "on_success", "on_failure"])
+async def test_a_raising_retry_throttle_ends_its_call_with_einternal(fails):
+    throttle = FaultyThrottle(fails)
+    opts = aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=2, retry_throttle=throttle)
+    async with running_echo(servicer=FaultyEcho()) as (server, _), \
+            aiobrpc.Channel(f"127.0.0.1:{server.port}", opts) as channel:
+        stub = aiobrpc.Stub(channel, SERVICE)
+        message = "ok" if fails == "on_success" else "elimit"
+        with pytest.raises(aiobrpc.RpcError) as ei:
+            await asyncio.wait_for(stub.Echo(interop_pb2.EchoRequest(message=message)), HANG)
+        assert ei.value.code == errors.EINTERNAL and f"retry_throttle.{fails} raised" in ei.value.text
+        throttle.fails = ""
+        resp = await asyncio.wait_for(stub.Echo(interop_pb2.EchoRequest(message="clean")), HANG)
+        assert resp.message == "clean" and channel.stats.connections_made == 1

@@ -19,7 +19,7 @@ import pytest
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
-from tests.helpers.interop_server import SERVICE, InteropEcho
+from tests.helpers.interop_server import SERVICE, InteropEcho, running_echo
 from tests.helpers.wire import frame, rpc_meta
 
 Req = interop_pb2.EchoRequest
@@ -319,3 +319,53 @@ async def test_an_awaitable_a_sync_handler_returns_is_awaited_on_the_loop():
     async with serving(Decorated()) as (_, stub):
         resp = await asyncio.wait_for(stub.StartStream(Req(message="hi")), HANG_LIMIT_S)
     assert resp.message == "awaited hi"
+
+
+async def test_a_bug_while_handling_one_connections_bytes_closes_only_that_connection(monkeypatch, caplog):
+    """An exception from our own event handling (a bug) must not reach the loop as a fatal
+    protocol error with no name: that connection closes with a log line naming the peer, its
+    calls end with EFAILEDSOCKET, and other connections are served."""
+    from aiobrpc.server.connection import ServerConnection
+
+    original = ServerConnection.event_received
+    poisoned: list = []
+
+    def event_received(self, ev):
+        if not poisoned:
+            poisoned.append(self)
+        if self is poisoned[0]:
+            raise ZeroDivisionError("a bug")
+        return original(self, ev)
+
+    monkeypatch.setattr(ServerConnection, "event_received", event_received)
+    async with running_echo() as (server, _):
+        addr = f"127.0.0.1:{server.port}"
+        async with aiobrpc.Channel(addr, aiobrpc.ChannelOptions(timeout_ms=-1, max_retry=0)) as first:
+            with pytest.raises(aiobrpc.RpcError) as ei:
+                await asyncio.wait_for(aiobrpc.Stub(first, SERVICE).Echo(Req(message="a")), HANG_LIMIT_S)
+            assert ei.value.code in (errors.EEOF, errors.EFAILEDSOCKET)
+            async with aiobrpc.Channel(addr, aiobrpc.ChannelOptions(timeout_ms=-1)) as second:
+                resp = await asyncio.wait_for(aiobrpc.Stub(second, SERVICE).Echo(Req(message="b")), HANG_LIMIT_S)
+                assert resp.message == "b"
+    assert any("handling its bytes raised ZeroDivisionError" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_bug_while_reading_one_request_fails_that_request_only(monkeypatch, caplog):
+    from aiobrpc.server import server as server_module
+
+    original, failures = server_module.parse_request, [1]
+
+    def parse_request(*args):
+        if failures:
+            failures.pop()
+            raise ZeroDivisionError("a bug")
+        return original(*args)
+
+    monkeypatch.setattr(server_module, "parse_request", parse_request)
+    async with serving(InteropEcho()) as (server, stub):
+        with pytest.raises(aiobrpc.RpcError) as ei:
+            await asyncio.wait_for(stub.Echo(Req(message="a")), HANG_LIMIT_S)
+        assert ei.value.code == errors.EINTERNAL and "ZeroDivisionError" in ei.value.text
+        assert (await asyncio.wait_for(stub.Echo(Req(message="b")), HANG_LIMIT_S)).message == "b"
+        assert stub.channel.stats.connections_made == 1
+    assert any("raised ZeroDivisionError" in r.getMessage() for r in caplog.records)
