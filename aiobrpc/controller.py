@@ -44,6 +44,8 @@ class Controller:
     not copied, until it is written to the socket (again for each retry and backup), so do not
     change it while the call is in flight. A buffer that is not C-contiguous (a transposed or
     strided numpy view) fails the call with EREQUEST; send `np.ascontiguousarray(a)` instead.
+    A list or tuple of such buffers is one attachment made of them one after the other, each
+    written as it is (brpc's IOBuf of several blocks): `aiobrpc.tensor` sends many arrays so.
     A received attachment (`request_attachment` in a handler, `response_attachment` after a
     successful call) is a writable `memoryview`, empty when the message had none, valid for as
     long as it is referenced. A large one, at least a quarter of the buffer the message was

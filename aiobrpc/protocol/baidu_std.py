@@ -102,19 +102,39 @@ def pack(meta, data, attachment=None, magic: bytes = MAGIC) -> list:
     """Frame `meta` + `data` + `attachment` as a list of buffers, without copying data or attachment.
 
     Sets meta.attachment_size when the attachment is not empty (brpc leaves it absent otherwise).
+    A list or tuple of buffers is one attachment made of its buffers one after the other (an
+    IOBuf of several blocks): each goes to the socket as it is.
     """
     size = len(data)
     if attachment is None:
         return [_fast.pack_head(magic, meta, size), data] if size else [_fast.pack_head(magic, meta, 0)]
-    view = attachment if type(attachment) is bytes else _fast.byte_view(attachment)
-    n = len(view) if type(view) is bytes else view.nbytes
+    if type(attachment) is list or type(attachment) is tuple:
+        views = attachment_views(attachment)
+        n = sum(v.nbytes for v in views)
+    else:
+        view = attachment if type(attachment) is bytes else _fast.byte_view(attachment)
+        views = [view]
+        n = len(view) if type(view) is bytes else view.nbytes
     if n == 0:
         return pack(meta, data, None, magic)
     if n > 0x7FFFFFFF:
         raise LocalProtocolError(f"attachment of {n} bytes does not fit the int32 attachment_size")
     meta.attachment_size = n
     head = _fast.pack_head(magic, meta, size + n)
-    return [head, data, view] if size else [head, view]
+    return [head, data, *views] if size else [head, *views]
+
+
+def attachment_views(buffers) -> list:
+    """The non-empty byte views of an attachment given as a list or tuple of buffers."""
+    views = []
+    for i, b in enumerate(buffers):
+        try:
+            v = _fast.byte_view(b)
+        except LocalProtocolError as e:
+            raise LocalProtocolError(f"attachment buffer #{i}: {e}") from None
+        if v.nbytes:
+            views.append(v)
+    return views
 
 
 def encode_data(meta, serialized, compress_type: int = 0, attachment=None,
@@ -131,7 +151,10 @@ def encode_data(meta, serialized, compress_type: int = 0, attachment=None,
         if checksum_type != checksum.CRC32C:
             raise LocalProtocolError(f"unknown checksum type {checksum_type!r}")
         meta.checksum_type = checksum.CRC32C
-        covered = _fast.byte_view(attachment) if checksum_with_attachment and attachment is not None else None
+        covered = None
+        if checksum_with_attachment and attachment is not None:
+            is_list = type(attachment) is list or type(attachment) is tuple
+            covered = attachment_views(attachment) if is_list else _fast.byte_view(attachment)
         meta.checksum_value = checksum.compute(data, covered)
     if checksum_with_attachment:
         meta.checksum_with_attachment = True

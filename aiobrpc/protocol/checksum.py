@@ -31,9 +31,12 @@ def unmask(masked: int) -> int:
 
 
 def crc32c(data, attachment=None) -> int:
-    """Plain CRC-32C of data, continued over attachment if given."""
+    """Plain CRC-32C of data, continued over attachment if given (a buffer or a list of them)."""
     crc = _crc32c.crc32c(data)
-    if attachment is not None:
+    if type(attachment) is list:
+        for block in attachment:
+            crc = _crc32c.crc32c(block, crc)
+    elif attachment is not None:
         crc = _crc32c.crc32c(attachment, crc)
     return crc
 

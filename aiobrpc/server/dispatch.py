@@ -164,7 +164,10 @@ def success_response(request_meta, response, cntl: Controller) -> list:
     attachment = cntl.response_attachment
     if attachment is not None and type(attachment) is not bytes:
         try:
-            attachment = _fast.byte_view(attachment)
+            if type(attachment) is list or type(attachment) is tuple:
+                attachment = baidu_std.attachment_views(attachment)
+            else:
+                attachment = _fast.byte_view(attachment)
         except Exception as e:
             raise RpcError(ERESPONSE, f"cntl.response_attachment cannot be sent: {exception_text(e)}") from None
     try:
