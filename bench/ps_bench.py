@@ -1,14 +1,14 @@
-"""Parameter server: pushes and pulls per second of aiobrpc.ps against the same server written
+"""Parameter server: pushes and pulls per second of aiobrpc.training.ps against the same server written
 on torch.distributed.rpc (TensorPipe), the same model, in the same two processes, one run.
 
     python bench/ps_bench.py                # ~40 s; needs torch (the 'train' extra)
     python bench/ps_bench.py --seconds 0.5  # quicker, rougher
 
 Two processes on 127.0.0.1: this one is the worker; it spawns the server process, which joins
-torch.distributed.rpc as "ps" (rank 0) and also serves aiobrpc.ps's ParameterServer. Both
+torch.distributed.rpc as "ps" (rank 0) and also serves aiobrpc.training.ps's ParameterServer. Both
 servers hold the same keys and take the same SGD step (w -= lr * g) on each push; both pull
 answers carry every key. The worker alternates: torch rpc_sync(push), rpc_sync(pull), then
-aiobrpc.ps PsWorker.push, PsWorker.pull (async mode, uvloop), one call at a time (closed loop),
+aiobrpc.training.ps PsWorker.push, PsWorker.pull (async mode, uvloop), one call at a time (closed loop),
 for each model:
 
   16 B     one key of 4 float32           (call rate)
@@ -16,7 +16,7 @@ for each model:
   16 MiB   one key of 4 Mi float32        (bandwidth)
 
 Printed per model and operation: calls/s and MB/s (10^6 bytes of tensors one way) of each, and
-the ratio aiobrpc.ps / torch rpc.
+the ratio aiobrpc.training.ps / torch rpc.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def server(master_port: int) -> None:
     from torch.distributed import rpc
 
     import aiobrpc
-    from aiobrpc.ps import SGD, ParameterServer
+    from aiobrpc.training.ps import SGD, ParameterServer
 
     rpc.init_rpc("ps", rank=0, world_size=2, rpc_backend_options=rpc_options(master_port))
 
@@ -129,7 +129,7 @@ def main() -> None:
         return server(args.master_port)
 
     import aiobrpc
-    from aiobrpc.ps import PsWorker
+    from aiobrpc.training.ps import PsWorker
 
     master_port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--role", "server", "--master-port", str(master_port)],
@@ -169,9 +169,9 @@ def main() -> None:
             rpc.shutdown()
         proc.wait(60)
 
-    print(f"aiobrpc.ps vs torch.distributed.rpc (TensorPipe), {aiobrpc.implementation()} twins, "
+    print(f"aiobrpc.training.ps vs torch.distributed.rpc (TensorPipe), {aiobrpc.implementation()} twins, "
           f"{args.seconds:g} s per cell, cpus={os.cpu_count()}")
-    print("| model | op | torch rpc calls/s | torch rpc MB/s | aiobrpc.ps calls/s | aiobrpc.ps MB/s | ratio |")
+    print("| model | op | torch rpc calls/s | torch rpc MB/s | aiobrpc.training.ps calls/s | aiobrpc.training.ps MB/s | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for model, op, tc, tm, oc, om, ratio in rows:
         print(f"| {model} | {op} | {tc:,.0f} | {tm:,.1f} | {oc:,.0f} | {om:,.1f} | {ratio:.2f}x |")

@@ -4,7 +4,7 @@
 
 The model is a linear regression y = x . w + b + emb[category]: `w` and `b` are pushed and
 pulled whole, the embedding `emb` by the rows of the categories in each batch. Each shard is
-`python -m aiobrpc.ps` (keys placed by crc32c of their name); each worker is this file with
+`python -m aiobrpc.training.ps` (keys placed by crc32c of their name); each worker is this file with
 `--worker`, a plain training loop over `SyncPsWorker`. The server takes the SGD step. The
 workers print their loss every 10 steps; this program prints the curves side by side.
 """
@@ -30,7 +30,7 @@ def batch(rng: np.random.Generator):
 
 
 def worker(rank: int, servers: list[str], steps: int) -> None:
-    from aiobrpc.ps import SyncPsWorker
+    from aiobrpc.training.ps import SyncPsWorker
 
     rng = np.random.default_rng(rank)
     with SyncPsWorker(servers, rank, timeout_s=10) as ps:
@@ -52,7 +52,7 @@ def worker(rank: int, servers: list[str], steps: int) -> None:
 
 
 def start_shard(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "aiobrpc.ps", "--port", "0", "--workers", str(args.workers),
+    cmd = [sys.executable, "-m", "aiobrpc.training.ps", "--port", "0", "--workers", str(args.workers),
            "--mode", args.mode, "--optimizer", "sgd", "--lr", "0.3"]
     if args.mode == "bounded":
         cmd += ["--staleness", "2"]

@@ -7,7 +7,7 @@ import contextlib
 import numpy as np
 
 import aiobrpc
-from aiobrpc.ps import ParameterServer
+from aiobrpc.training.ps import ParameterServer
 
 DIM = 8
 TRUE_W = (np.arange(DIM, dtype=np.float32) - 3) / 4

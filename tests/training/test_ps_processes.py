@@ -1,4 +1,4 @@
-"""aiobrpc.ps in real processes: shards started as `python -m aiobrpc.ps`, workers in other
+"""aiobrpc.training.ps in real processes: shards started as `python -m aiobrpc.training.ps`, workers in other
 processes (examples/ps_train.py) converge in the async and bounded modes (sync: tests/examples);
 a shard killed and started again on its port is reported to a plain-loop worker, which resumes."""
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import aiobrpc
-from aiobrpc.ps import ServerRestarted, SyncPsWorker
+from aiobrpc.training.ps import ServerRestarted, SyncPsWorker
 from tests.training.ps_helpers import INITIAL, regression_data, regression_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def env(twin):
 
 
 def start_shard(env, *args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "aiobrpc.ps", *args], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "aiobrpc.training.ps", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     m = re.fullmatch(r"listening on (127\.0\.0\.1:\d+)\n", line)

@@ -1,4 +1,4 @@
-"""aiobrpc.ps over the network, servers and workers in this process: training converges in
+"""aiobrpc.training.ps over the network, servers and workers in this process: training converges in
 every mode, keys live on their shard, bad input fails with EREQUEST naming it, a pull that
 waits for a missing worker ends within its deadline naming it, a restart is reported and the
 worker resumes."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import aiobrpc
-from aiobrpc.ps import SGD, Adam, ParameterServer, PsWorker, ServerRestarted, Sum, shard_of
+from aiobrpc.training.ps import SGD, Adam, ParameterServer, PsWorker, ServerRestarted, Sum, shard_of
 from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
 from tests.training.ps_helpers import INITIAL, TRUE_B, TRUE_W, regression_data, regression_step, running_ps
 

@@ -1,4 +1,4 @@
-"""aiobrpc.ps without the network: placement of keys, update rules, the clocks of the modes,
+"""aiobrpc.training.ps without the network: placement of keys, update rules, the clocks of the modes,
 bad input, the memory bound."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import aiobrpc
-from aiobrpc.ps import optim, server, sharding, store, worker
-from aiobrpc.ps.optim import SGD, Adam, Sum
-from aiobrpc.ps.sharding import key_hash, shard_of
-from aiobrpc.ps.store import KeyStore
+from aiobrpc.training.ps import optim, server, sharding, store, worker
+from aiobrpc.training.ps.optim import SGD, Adam, Sum
+from aiobrpc.training.ps.sharding import key_hash, shard_of
+from aiobrpc.training.ps.store import KeyStore
 
 f32 = np.float32
 
@@ -190,7 +190,7 @@ def test_keys_take_at_most_max_bytes():
     (dict(num_workers=0), "num_workers must be an int >= 1"),
     (dict(num_workers=1, mode="ssp"), "mode must be one of sync, async, bounded"),
     (dict(num_workers=1, mode="async", staleness=2), "staleness=2 applies to mode='bounded' only"),
-    (dict(num_workers=1, optimizer="sgd"), "optimizer must be an aiobrpc.ps Optimizer"),
+    (dict(num_workers=1, optimizer="sgd"), "optimizer must be an aiobrpc.training.ps Optimizer"),
 ])
 def test_bad_configuration(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):

@@ -1,4 +1,4 @@
-"""aiobrpc.ps with torch: a torch model's parameters pushed and pulled as tensors (into the
+"""aiobrpc.training.ps with torch: a torch model's parameters pushed and pulled as tensors (into the
 parameters themselves), and the server's Adam equal to torch.optim.Adam."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiobrpc.ps import Adam, PsWorker
+from aiobrpc.training.ps import Adam, PsWorker
 from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
 from tests.training.ps_helpers import running_ps
 

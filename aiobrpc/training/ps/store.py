@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EREQUEST, RpcError
+from ...errors import EREQUEST, RpcError
 from .optim import SGD, Optimizer
 
 __all__ = ["MODES", "KeyStore"]
@@ -75,7 +75,7 @@ class KeyStore:
         if mode != "bounded" and staleness:
             raise ValueError(f"staleness={staleness} applies to mode='bounded' only, not {mode!r}")
         if optimizer is not None and not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer must be an aiobrpc.ps Optimizer (Sum, SGD, Adam), got {type(optimizer).__name__}")
+            raise TypeError(f"optimizer must be an aiobrpc.training.ps Optimizer (Sum, SGD, Adam), got {type(optimizer).__name__}")
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         self.num_workers = num_workers

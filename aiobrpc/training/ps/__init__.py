@@ -8,7 +8,7 @@ can take part.
 
 - `ParameterServer`: the servicer of one shard, for an `aiobrpc.Server`.
 - `PsWorker`: the worker API for an asyncio loop; `SyncPsWorker` for a plain loop.
-- `python -m aiobrpc.ps --port 0 --workers 2 --mode sync`: a server process.
+- `python -m aiobrpc.training.ps --port 0 --workers 2 --mode sync`: a server process.
 """
 
 from __future__ import annotations

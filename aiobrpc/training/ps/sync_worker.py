@@ -33,7 +33,7 @@ class SyncPsWorker:
                  **options: Any) -> None:
         """`options`: the other keyword arguments of `PsWorker` (max_retry, on_restart, ...);
         `on_restart` is called in the loop thread."""
-        from .. import event_loop_policy
+        from ... import event_loop_policy
         self._timeout_s = 30.0  # until PsWorker has checked timeout_s
         self._loop = event_loop_policy().new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="aiobrpc-ps-worker", daemon=True)

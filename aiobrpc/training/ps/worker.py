@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import tensor
-from ..client.channel import Channel
-from ..controller import Controller
-from ..options import ChannelOptions
-from ..stub import Stub
-from .._proto import ps_pb2
+from ... import tensor
+from ...client.channel import Channel
+from ...controller import Controller
+from ...options import ChannelOptions
+from ...stub import Stub
+from ..._proto import ps_pb2
 from .server import SERVICE
 from .sharding import shard_of
 

@@ -1,4 +1,4 @@
-"""One parameter-server shard as a process: `python -m aiobrpc.ps --port 0 --workers 2 --mode sync`.
+"""One parameter-server shard as a process: `python -m aiobrpc.training.ps --port 0 --workers 2 --mode sync`.
 
 It prints `listening on HOST:PORT`, serves until SIGINT or SIGTERM, then prints `stopped`.
 """
@@ -9,12 +9,12 @@ import argparse
 import asyncio
 import signal
 
-from .. import Server, ServerOptions, event_loop_policy
+from ... import Server, ServerOptions, event_loop_policy
 from . import MODES, SGD, Adam, ParameterServer, Sum
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m aiobrpc.ps", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m aiobrpc.training.ps", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     p.add_argument("--workers", type=int, required=True, help="number of workers (num_workers)")
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
                              optimizer=make_optimizer(args.optimizer, args.lr), average=not args.no_average,
                              max_wait_s=args.max_wait_s)
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"python -m aiobrpc.ps: {e}") from None
+        raise SystemExit(f"python -m aiobrpc.training.ps: {e}") from None
     asyncio.set_event_loop_policy(event_loop_policy())
     asyncio.run(serve(ps, args))
 

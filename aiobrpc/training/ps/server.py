@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import tensor
-from ..errors import ELOGOFF, EREQUEST, ERPCTIMEDOUT, RpcError
-from ..stub import Servicer
-from .._proto import ps_pb2
+from ... import tensor
+from ...errors import ELOGOFF, EREQUEST, ERPCTIMEDOUT, RpcError
+from ...stub import Servicer
+from ..._proto import ps_pb2
 from .optim import Optimizer
 from .store import KeyStore
 
@@ -58,7 +58,7 @@ class ParameterServer(Servicer):
         initial: Keys to hold from the start (e.g. loaded from a checkpoint), name -> array.
 
     >>> import aiobrpc, numpy as np
-    >>> from aiobrpc.ps import ParameterServer, PsWorker, SGD
+    >>> from aiobrpc.training.ps import ParameterServer, PsWorker, SGD
     >>> async def main():
     ...     async with aiobrpc.Server() as server:
     ...         server.add_service(ParameterServer(num_workers=1, mode="sync", optimizer=SGD(lr=0.5)))
