@@ -61,6 +61,11 @@ DTYPE_NAMES: dict[str, int] = {name: code for code, (name, _) in _WIRE.items()}
 """dtype name ("float32", "bfloat16", ...) -> `DataType` value."""
 
 _ITEMSIZE = {code: dt.itemsize for code, (_, dt) in _WIRE.items()}
+_BF16 = int(DataType.DT_BFLOAT16)  # a plain int: the enum wrapper's attribute lookup costs per call
+# numpy dtype -> DataType for the common case (native or little-endian), looked up before the
+# general path of dtype_code, which reads dtype.name (slow: computed in Python by numpy).
+_NUMPY_CODES: dict[np.dtype, int] = {dt: code for code, (name, dt) in _WIRE.items() if name != "bfloat16"}
+_TORCH_CODES: dict[Any, int] = {}  # torch dtype -> DataType, filled as met
 
 
 def _is_torch(x: Any) -> bool:
@@ -80,6 +85,9 @@ def _bf16_numpy() -> np.dtype | None:
 
 def dtype_code(dtype: Any) -> int:
     """The `DataType` of a numpy dtype, a torch dtype or a name ("float32"); ValueError if none."""
+    code = _NUMPY_CODES.get(dtype) if isinstance(dtype, np.dtype) else None
+    if code is not None:
+        return code
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
@@ -110,14 +118,16 @@ def raw_array(x: Any, *, copy: bool = False, what: str = "tensor") -> tuple[int,
         torch = sys.modules["torch"]
         if x.device.type != "cpu":
             raise ValueError(f"{what} is on {x.device}; only CPU tensors can be sent (call .cpu())")
-        code = dtype_code(x.dtype)
+        code = _TORCH_CODES.get(x.dtype)
+        if code is None:
+            code = _TORCH_CODES[x.dtype] = dtype_code(x.dtype)
         if not x.is_contiguous():
             if not copy:
                 raise ValueError(f"{what} is not contiguous (strides {tuple(x.stride())}): "
                                  f"pass copy=True or send x.contiguous()")
             x = x.contiguous()
         x = x.detach()
-        if code == DataType.DT_BFLOAT16:
+        if code == _BF16:
             x = x.view(torch.int16)
         if x.dim() == 0:
             x = x.reshape(1)
@@ -126,17 +136,15 @@ def raw_array(x: Any, *, copy: bool = False, what: str = "tensor") -> tuple[int,
         x = np.asarray(x)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{what} must be a numpy array or a torch CPU tensor, got {type(x).__name__}")
-    code = dtype_code(x.dtype)
+    code = _NUMPY_CODES.get(x.dtype)
+    if code is None:
+        code = dtype_code(x.dtype)
     if not x.flags.c_contiguous:
         if not copy:
             raise ValueError(f"{what} is not C-contiguous (shape {x.shape}, strides {x.strides}): "
                              f"pass copy=True or send np.ascontiguousarray(a)")
         x = np.ascontiguousarray(x)
     return code, x.reshape(-1).view(_WIRE[code][1])
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape)
 
 
 def pack(tensors: Sequence[Any] | Mapping[str, Any], *, copy: bool = False) -> tuple[TensorMeta, list[memoryview]]:
@@ -147,47 +155,54 @@ def pack(tensors: Sequence[Any] | Mapping[str, Any], *, copy: bool = False) -> t
     meta are those of each tensor in the attachment formed by the views one after the other.
     `copy=True` copies a non-contiguous array once instead of refusing it.
     """
-    items = tensors.items() if isinstance(tensors, Mapping) else ((None, t) for t in tensors)
+    named = isinstance(tensors, Mapping)
+    items = tensors.items() if named else ((None, t) for t in tensors)
     meta = TensorMeta()
+    add = meta.tensors.add
     buffers: list[memoryview] = []
     offset = 0
     for i, (name, x) in enumerate(items):
-        what = f"tensor {name!r}" if name is not None else f"tensor #{i}"
-        if isinstance(tensors, Mapping) and not isinstance(name, str):
+        if named and not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {type(name).__name__}")
-        code, raw = raw_array(x, copy=copy, what=what)
-        info = meta.tensors.add()
-        if name is not None:
-            info.name = name
-        info.dtype = code
-        info.shape.extend(_shape(x))
-        info.offset = offset
-        info.nbytes = raw.nbytes
-        offset += raw.nbytes
-        if raw.nbytes:
-            buffers.append(memoryview(raw.view(np.uint8)))
+        if type(x) is np.ndarray and x.flags.c_contiguous and (code := _NUMPY_CODES.get(x.dtype)) is not None:
+            raw = x  # the common case, without raw_array's checks and views
+        else:
+            code, raw = raw_array(x, copy=copy, what=f"tensor {name!r}" if name is not None else f"tensor #{i}")
+        nbytes = raw.nbytes
+        if name is None:
+            add(dtype=code, shape=x.shape, offset=offset, nbytes=nbytes)
+        else:
+            add(name=name, dtype=code, shape=x.shape, offset=offset, nbytes=nbytes)
+        offset += nbytes
+        if nbytes:
+            buffers.append(memoryview(raw).cast("B"))
     return meta, buffers
 
 
+def _what(info: TensorInfo, i: int) -> str:
+    return f"tensor {info.name!r}" if info.name else f"tensor #{i}"
+
+
 def _checked(info: TensorInfo, i: int, size: int) -> tuple[int, tuple[int, ...], int, int]:
-    what = f"tensor {info.name!r}" if info.name else f"tensor #{i}"
     code = info.dtype
-    if code not in _WIRE:
-        raise ValueError(f"{what}: missing or unknown dtype in TensorMeta")
+    itemsize = _ITEMSIZE.get(code)
+    if itemsize is None:
+        raise ValueError(f"{_what(info, i)}: missing or unknown dtype in TensorMeta")
     shape = tuple(info.shape)
-    if any(d < 0 for d in shape):
-        raise ValueError(f"{what}: negative dimension in shape {list(shape)}")
     count = 1
     for d in shape:
+        if d < 0:
+            raise ValueError(f"{_what(info, i)}: negative dimension in shape {list(shape)}")
         count *= d
-    nbytes = count * _ITEMSIZE[code]
+    nbytes = count * itemsize
     if info.nbytes != nbytes:
-        raise ValueError(f"{what}: nbytes={info.nbytes} but shape {list(shape)} of {_WIRE[code][0]} "
-                         f"needs {nbytes}")
-    if info.offset < 0 or info.offset + nbytes > size:
-        raise ValueError(f"{what}: bytes {info.offset}..{info.offset + nbytes} lie outside the "
+        raise ValueError(f"{_what(info, i)}: nbytes={info.nbytes} but shape {list(shape)} of "
+                         f"{_WIRE[code][0]} needs {nbytes}")
+    offset = info.offset
+    if offset < 0 or offset + nbytes > size:
+        raise ValueError(f"{_what(info, i)}: bytes {offset}..{offset + nbytes} lie outside the "
                          f"{size}-byte attachment")
-    return code, shape, info.offset, count
+    return code, shape, offset, count
 
 
 def _view(attachment: Any, code: int, shape: tuple[int, ...], offset: int, count: int) -> np.ndarray:
@@ -197,12 +212,12 @@ def _view(attachment: Any, code: int, shape: tuple[int, ...], offset: int, count
     return np.frombuffer(attachment, dt, count, offset).reshape(shape)
 
 
-def _as_numpy(raw: np.ndarray, code: int, what: str) -> np.ndarray:
-    if code != DataType.DT_BFLOAT16:
+def _as_numpy(raw: np.ndarray, code: int, info: TensorInfo, i: int) -> np.ndarray:
+    if code != _BF16:
         return raw
     bf16 = _bf16_numpy()
     if bf16 is None:
-        raise TypeError(f"{what} is bfloat16, which numpy has no dtype for: install ml_dtypes, "
+        raise TypeError(f"{_what(info, i)} is bfloat16, which numpy has no dtype for: install ml_dtypes, "
                         f"or unpack with torch=True")
     return raw.view(bf16)
 
@@ -212,8 +227,8 @@ def _as_torch(raw: np.ndarray, code: int):
     with warnings.catch_warnings():
         # A view of a read-only attachment (bytes) stays read-only in spirit, as in numpy.
         warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        t = torch.from_numpy(raw.view(np.int16) if code == DataType.DT_BFLOAT16 else raw)
-    return t.view(torch.bfloat16) if code == DataType.DT_BFLOAT16 else t
+        t = torch.from_numpy(raw.view(np.int16) if code == _BF16 else raw)
+    return t.view(torch.bfloat16) if code == _BF16 else t
 
 
 def unpack(meta: TensorMeta, attachment: Any, out: Sequence[Any] | None = None, *,
@@ -239,19 +254,18 @@ def unpack(meta: TensorMeta, attachment: Any, out: Sequence[Any] | None = None, 
     for i, info in enumerate(infos):
         code, shape, offset, count = _checked(info, i, size)
         raw = _view(attachment, code, shape, offset, count)
-        what = f"tensor {info.name!r}" if info.name else f"tensor #{i}"
         dest = None if out is None else out[i]
         if dest is not None:
-            dcode, draw = raw_array(dest, what=f"destination of {what}")
+            dcode, draw = raw_array(dest, what=f"destination of {_what(info, i)}")
             if dcode != code or draw.size != count:
-                raise ValueError(f"destination of {what} is {_WIRE[dcode][0]} x{draw.size}, "
+                raise ValueError(f"destination of {_what(info, i)} is {_WIRE[dcode][0]} x{draw.size}, "
                                  f"the tensor is {_WIRE[code][0]} {list(shape)}")
             np.copyto(draw, raw.reshape(-1))
             result.append(dest)
         elif torch:
             result.append(_as_torch(raw, code))
         else:
-            result.append(_as_numpy(raw, code, what))
+            result.append(_as_numpy(raw, code, info, i))
     return result
 
 

@@ -13,6 +13,7 @@ import pytest
 
 import aiobrpc
 from aiobrpc.training.ps import SGD, Adam, ParameterServer, PsWorker, ServerRestarted, Sum, shard_of
+from aiobrpc.training.ps.server import BACKGROUND_BYTES
 from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
 from tests.training.ps_helpers import INITIAL, TRUE_B, TRUE_W, regression_data, regression_step, running_ps
 
@@ -66,6 +67,41 @@ async def test_rows_are_pushed_and_pulled_by_id():
             assert got["emb"][:, 0].tolist() == [2, 1, 0] and got["w"].tolist() == [1, 1]
             dest = np.empty(2, f32)
             assert (await w.pull(["w"], out={"w": dest}))["w"] is dest and dest.tolist() == [1, 1]
+
+
+class SlowSum(Sum):
+    def apply(self, value, grad, state, rows=None):
+        time.sleep(0.01)  # an update still running when the next call comes
+        super().apply(value, grad, state, rows)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "bounded"])
+async def test_large_pushes_apply_on_a_thread_once_each_and_before_any_later_pull(mode):
+    big = BACKGROUND_BYTES // 4  # float32s: every push of it is applied on the server's thread
+    async with running_ps(1, num_workers=2, mode=mode, optimizer=SlowSum()) as ps:
+        address = [ps[0][0].address]
+
+        async def work(rank: int) -> None:
+            async with PsWorker(address, rank, timeout_s=10) as w:
+                await w.init({"big": np.zeros(big, f32), "small": np.zeros(2, f32)})
+                for step in range(6):
+                    got = await w.pull()
+                    if mode != "async":  # every step before this one is in
+                        done = step * (1.5 if mode == "sync" else 3)
+                        assert got["big"][[0, -1]].tolist() == [done] * 2 and got["small"].tolist() == [done] * 2
+                    grads = {"big": np.full(big, rank + 1, f32), "small": np.full(2, rank + 1, f32)}
+                    await w.push({"big": grads["big"]})
+                    w.step -= 1
+                    await w.push({"small": grads["small"]})  # small, maybe behind a large one
+                    w.step -= 1
+                    await w.push(grads)  # a retry of the step: applied once
+
+        await asyncio.gather(work(0), work(1))
+        async with PsWorker(address, 0) as w:
+            w.step = 6
+            final = await w.pull(["big", "small"])
+    want = 9 if mode == "sync" else 18  # sync averages the two workers' pushes
+    assert np.all(final["big"] == want) and final["small"].tolist() == [want] * 2
 
 
 @pytest.mark.parametrize("call, code, message", [

@@ -145,6 +145,17 @@ def test_a_pulled_array_never_changes_under_its_reply():
     assert s.keys["w"].value.tolist() == [2, 2, 2]
 
 
+def test_a_push_applied_later_has_moved_its_clocks_and_keeps_a_lent_array():
+    s = KeyStore(1, mode="bounded", optimizer=Sum())
+    s.init({"w": np.zeros(3, f32)})
+    lent = s.read(["w"], {})[0]
+    job = s.push(0, 0, {"w": np.ones(3, f32)}, later=True)
+    assert s.ready(["w"], 1) and s.keys["w"].value.tolist() == [0, 0, 0]
+    assert s.push(0, 0, {"w": np.ones(3, f32)}, later=True) is None  # a retry: nothing to apply
+    job()
+    assert lent.tolist() == [0, 0, 0] and s.read(["w"], {})[0].tolist() == [1, 1, 1]
+
+
 @pytest.mark.parametrize("grads, rows, message", [
     ({"v": np.zeros(2, f32)}, None, r"unknown key 'v': this server holds 2 keys \('e', 'w'\)"),
     ({"w": np.zeros(3, f32)}, None, r"gradient of 'w' has shape \[3\], expected \[2\] \(key shape \[2\]\)"),

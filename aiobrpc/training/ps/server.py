@@ -4,19 +4,26 @@ Calls (proto/ps.proto, service `aiobrpc.ps.ParameterServer`): `Init` creates key
 applies gradients (or gathers them for a sync step), `Pull` answers with weights once the
 mode's clock allows (a pull that cannot be answered within `max_wait_s`, or the time its
 caller has left, fails with ERPCTIMEDOUT naming the workers it waited for).
+
+A push of BACKGROUND_BYTES or more is answered once checked and counted; its optimizer step
+runs on one thread, in order with the other updates, and a pull reads after every update
+answered before it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ... import tensor
-from ...errors import ELOGOFF, EREQUEST, ERPCTIMEDOUT, RpcError
+from ...errors import EINTERNAL, ELOGOFF, EREQUEST, ERPCTIMEDOUT, RpcError
 from ...stub import Servicer
 from ..._proto import ps_pb2
 from .optim import Optimizer
@@ -25,9 +32,17 @@ from .store import KeyStore
 __all__ = ["ParameterServer"]
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+# A push of at least this many gradient bytes is answered once checked, and its optimizer step
+# runs on a thread (numpy lets go of the GIL) while the loop receives the next call.
+BACKGROUND_BYTES = 256 * 1024
+MAX_BACKGROUND = 2  # pushes applied or queued on the thread at once; one more waits for room
+
+log = logging.getLogger(__name__)
 
 
 def _named(meta: tensor.TensorMeta, attachment: Any, what: str) -> dict[str, np.ndarray]:
+    if not meta.tensors:
+        return {}
     try:
         views = tensor.unpack(meta, attachment)
     except (ValueError, TypeError) as e:
@@ -84,6 +99,9 @@ class ParameterServer(Servicer):
         # Random, so that a restarted server (which lost its clocks) differs from its past self.
         self.generation = secrets.randbits(63) + 1
         self._stopping = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._background: deque[asyncio.Future] = deque()  # in the order run (one thread)
+        self._failed: BaseException | None = None
         if initial:
             self.store.init({k: np.asarray(v) for k, v in initial.items()})
 
@@ -107,8 +125,31 @@ class ParameterServer(Servicer):
             return ps_pb2.PushResponse(generation=self.generation)
         grads = _named(request.grads, cntl.request_attachment, "push gradients")
         ids = _named(request.row_ids, cntl.request_attachment, "push row ids")
-        self.store.push(request.worker, request.step, grads, ids)
+        background = self._background
+        if background or sum(g.nbytes for g in grads.values()) >= BACKGROUND_BYTES:
+            while len(background) >= MAX_BACKGROUND:
+                await asyncio.wait([background[0]])
+            # Behind an update still running, a small push goes to the thread too: in order.
+            job = self.store.push(request.worker, request.step, grads, ids, later=True)
+            if job is not None:
+                self._run_in_background(job)
+        else:
+            self.store.push(request.worker, request.step, grads, ids)
         return ps_pb2.PushResponse(generation=self.generation)
+
+    def _run_in_background(self, fn, *args, update: bool = True) -> asyncio.Future:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ps-update")
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._background.append(fut)
+        fut.add_done_callback(self._ran if update else self._background.remove)
+        return fut
+
+    def _ran(self, fut: asyncio.Future) -> None:
+        self._background.remove(fut)
+        if not fut.cancelled() and fut.exception() is not None and self._failed is None:
+            self._failed = fut.exception()
+            log.error("a push's update failed; pulls fail from now on", exc_info=self._failed)
 
     async def Pull(self, request, cntl):
         if self._stale(request.generation):
@@ -118,7 +159,14 @@ class ParameterServer(Servicer):
         store = self.store
         store.check_pull(request.worker, request.step, keys, ids)
         await self._wait([*keys, *ids], request.step, cntl)
-        values = store.read(keys, ids)
+        if self._background:
+            # On the update thread, after the updates answered before: one thread, in order.
+            values = await asyncio.shield(self._run_in_background(store.read, keys, ids, update=False))
+        else:
+            values = store.read(keys, ids)
+        if self._failed is not None:
+            raise RpcError(EINTERNAL, f"the parameter server lost an update ({self._failed!r}); "
+                                      f"restart it from a checkpoint")
         meta = tensor.set_response_tensors(cntl, values)
         for info, name in zip(meta.tensors, [*keys, *ids]):
             info.name = name  # a key may be pulled whole and by rows: a list, named after

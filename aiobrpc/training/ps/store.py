@@ -12,12 +12,17 @@ A pull at step t is ready when
 
 Pulls are served from the key's current array without a copy; the array is marked lent, and
 the next update works on a fresh copy, so a reply still being written never changes under it.
+
+Updates: a push's optimizer steps are collected while the push is checked and its clocks
+moved, then taken at once, or handed back as one function (`push(..., later=True)`) for the
+servicer to run on a thread: the servicer then keeps every read and later update after it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -87,6 +92,7 @@ class KeyStore:
         self.nbytes = 0  # what the keys may hold: values, optimizer state, sync sums
         self.keys: dict[str, _Key] = {}
         self.changed = asyncio.Event()  # set on every update; a waiting pull clears it and re-checks
+        self._updates: list[tuple[_Key, np.ndarray, np.ndarray | None]] = []  # of the push in hand
 
     # -- init ------------------------------------------------------------------------------
 
@@ -166,10 +172,17 @@ class KeyStore:
                            f"{k.clock} in sync mode (pull before pushing the next step)")
 
     def push(self, worker: int, step: int, grads: Mapping[str, np.ndarray],
-             row_ids: Mapping[str, np.ndarray] | None = None) -> None:
-        """Apply (or, in sync mode, gather) a worker's push; a step already pushed is ignored."""
+             row_ids: Mapping[str, np.ndarray] | None = None, *,
+             later: bool = False) -> Callable[[], None] | None:
+        """Apply (or, in sync mode, gather) a worker's push; a step already pushed is ignored.
+
+        With `later`, the optimizer steps are returned as one function instead of taken (None
+        when there are none): call it before any read or update of these keys. The clocks have
+        moved already, and the gradients must stay unchanged until it ran.
+        """
         row_ids = row_ids or {}
         self.check_push(worker, step, grads, row_ids)
+        self._updates = []
         for key, g in grads.items():
             k = self.keys[key]
             if step <= k.last_step[worker]:
@@ -183,6 +196,13 @@ class KeyStore:
             else:
                 self._apply_rows(k, [(ids, g)], 1)
         self.changed.set()
+        updates, self._updates = self._updates, []
+        if not updates:
+            return None
+        if later:
+            return partial(self._take, updates)
+        self._take(updates)
+        return None
 
     def _gather(self, k: _Key, worker: int, g: np.ndarray, ids: np.ndarray | None) -> None:
         if ids is None:
@@ -217,10 +237,15 @@ class KeyStore:
         self._apply(k, summed, rows)
 
     def _apply(self, k: _Key, g: np.ndarray, rows: np.ndarray | None) -> None:
-        if k.lent:
-            k.value = k.value.copy()
-            k.lent = False
-        self.optimizer.apply(k.value, g, k.state, rows)
+        self._updates.append((k, g, rows))
+
+    def _take(self, updates: list[tuple[_Key, np.ndarray, np.ndarray | None]]) -> None:
+        apply = self.optimizer.apply
+        for k, g, rows in updates:
+            if k.lent:
+                k.value = k.value.copy()
+                k.lent = False
+            apply(k.value, g, k.state, rows)
 
     # -- pull ------------------------------------------------------------------------------
 

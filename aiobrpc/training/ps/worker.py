@@ -104,7 +104,10 @@ class PsWorker:
         for name in names:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"keys must be non-empty str, got {name!r}")
-            out.setdefault(self.shard_of(name), []).append(name)
+            if len(self.servers) == 1:
+                out.setdefault(0, []).append(name)
+            else:
+                out.setdefault(self.shard_of(name), []).append(name)
         return out
 
     def _seen(self, shard: int, generation: int) -> None:
@@ -120,6 +123,8 @@ class PsWorker:
 
     @staticmethod
     async def _all(calls) -> list:
+        if len(calls) == 1:
+            return [await calls[0]]  # one server: no task and no gather per call
         # Every call ends (each has its deadline); the first error is raised after all did,
         # a restart before any other.
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -165,14 +170,17 @@ class PsWorker:
 
         async def one(shard: int, keys: list[str]) -> None:
             cntl = Controller()
+            meta, buffers = tensor.pack({k: grads[k] for k in keys})
+            req = ps_pb2.PushRequest(generation=self._generations[shard], worker=self.worker, step=step,
+                                     grads=meta)
             shard_ids = {k: ids[k] for k in keys if k in ids}
-            meta, buffers = tensor.pack([*(grads[k] for k in keys), *shard_ids.values()])
-            names = [*keys, *shard_ids]
-            for info, name in zip(meta.tensors, names):
-                info.name = name
-            req = ps_pb2.PushRequest(generation=self._generations[shard], worker=self.worker, step=step)
-            req.grads.tensors.extend(meta.tensors[:len(keys)])
-            req.row_ids.tensors.extend(meta.tensors[len(keys):])
+            if shard_ids:
+                id_meta, id_buffers = tensor.pack(shard_ids)
+                end = sum(b.nbytes for b in buffers)  # the ids follow the gradients in the attachment
+                for info in id_meta.tensors:
+                    info.offset += end
+                req.row_ids.CopyFrom(id_meta)
+                buffers += id_buffers
             cntl.request_attachment = buffers
             resp = await self._stubs[shard].Push(req, cntl)
             self._seen(shard, resp.generation)
@@ -205,7 +213,7 @@ class PsWorker:
 
         async def one(shard: int, whole: list[str]) -> None:
             cntl = Controller()
-            shard_ids = {k: ids[k] for k in ids if self.shard_of(k) == shard}
+            shard_ids = {k: ids[k] for k in ids if len(self.servers) == 1 or self.shard_of(k) == shard}
             meta = tensor.set_request_tensors(cntl, shard_ids)
             req = ps_pb2.PullRequest(generation=self._generations[shard], worker=self.worker, step=step,
                                      keys=whole, row_ids=meta)
@@ -215,7 +223,7 @@ class PsWorker:
             if len(resp.values.tensors) != n + len(shard_ids):
                 raise ValueError(f"server {shard} answered {len(resp.values.tensors)} tensors for "
                                  f"{n + len(shard_ids)} asked")
-            dest = [out.get(k) for k in whole] + [None] * len(shard_ids)
+            dest = [out.get(k) for k in whole] + [None] * len(shard_ids) if out else None
             got = tensor.get_response_tensors(cntl, resp.values, dest, torch=torch)
             result.update(zip(whole, got[:n]))
             row_result.update(zip(shard_ids, got[n:]))
