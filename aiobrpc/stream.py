@@ -528,6 +528,8 @@ class Stream:
             table = conn.streams
             if table is not None:
                 table.remove(self.id)
+                if self._awaiting_response:
+                    table.response_abandoned(self.id)
             if send and state == _CONNECTED and not conn.is_closed:
                 frame = (streaming.close_frame(self._peer_id, self.id) if send == _SEND_CLOSE
                          else streaming.rst_frame(self._peer_id))

@@ -2,7 +2,9 @@
 
 A frame for an id this connection does not know (never existed, or closed: ids are never
 reused) is dropped and counted; DATA and CLOSE are answered with an RST to their source, as
-brpc does, so the peer's stream ends too. FEEDBACK for an unknown id is ignored and an RST is
+brpc does, so the peer's stream ends too. The exception is the late response of a call that
+ended first (a timeout, a cancel): it comes in a DATA frame to the call's first stream, which is
+gone, and every stream it offers is reset, not only the first (brpc's "RST to the offered ids"). FEEDBACK for an unknown id is ignored and an RST is
 never answered, so two peers cannot bounce frames forever. A frame whose meta does not parse
 is dropped with a log line: the framing around it held, so nothing else has to close.
 """
@@ -20,18 +22,22 @@ _drop_log = RateLimitedLog()
 
 _DATA, _FEEDBACK, _CLOSE, _RST = streaming.DATA, streaming.FEEDBACK, streaming.CLOSE, streaming.RST
 _decode_frame_meta = streaming.decode_frame_meta
+_MAX_AWAITING_GONE = 1024
 
 
 class StreamTable:
     """`streams` maps local stream id -> endpoint (an aiobrpc.Stream); `stats` is the owner's
     counters (ClientStats or ServerStats: `stream_frames_dropped`)."""
 
-    __slots__ = ("conn", "streams", "stats")
+    __slots__ = ("conn", "streams", "stats", "awaiting_gone")
 
     def __init__(self, conn, stats) -> None:
         self.conn = conn
         self.streams: dict = {}
         self.stats = stats
+        # Client: first streams of calls that ended before their response came (id -> None),
+        # oldest first, at most _MAX_AWAITING_GONE: a late response to one is read, not just reset.
+        self.awaiting_gone: dict = {}
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -42,6 +48,13 @@ class StreamTable:
     def remove(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
 
+    def response_abandoned(self, stream_id: int) -> None:
+        """Client: the call of first stream `stream_id` ended before its response came."""
+        gone = self.awaiting_gone
+        gone[stream_id] = None
+        if len(gone) > _MAX_AWAITING_GONE:
+            del gone[next(iter(gone))]
+
     def frame_received(self, ev) -> None:
         try:
             meta = _decode_frame_meta(ev.meta)
@@ -51,6 +64,11 @@ class StreamTable:
         stream = self.streams.get(meta.stream_id)
         ftype = meta.frame_type
         if stream is None:
+            gone = self.awaiting_gone
+            if ftype == _DATA and meta.stream_id in gone and not meta.has_continuation:
+                del gone[meta.stream_id]
+                self.conn.response_in_stream(ev.payload)  # no call waits for it: its offer is reset
+                return
             self._unknown(meta)
             return
         if ftype == _DATA:
