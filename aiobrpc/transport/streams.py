@@ -23,13 +23,14 @@ _drop_log = RateLimitedLog()
 _DATA, _FEEDBACK, _CLOSE, _RST = streaming.DATA, streaming.FEEDBACK, streaming.CLOSE, streaming.RST
 _decode_frame_meta = streaming.decode_frame_meta
 _MAX_AWAITING_GONE = 1024
+_MAX_ROUTES = 64
 
 
 class StreamTable:
     """`streams` maps local stream id -> endpoint (an aiobrpc.Stream); `stats` is the owner's
     counters (ClientStats or ServerStats: `stream_frames_dropped`)."""
 
-    __slots__ = ("conn", "streams", "stats", "awaiting_gone")
+    __slots__ = ("conn", "streams", "stats", "awaiting_gone", "_data_routes")
 
     def __init__(self, conn, stats) -> None:
         self.conn = conn
@@ -38,6 +39,10 @@ class StreamTable:
         # Client: first streams of calls that ended before their response came (id -> None),
         # oldest first, at most _MAX_AWAITING_GONE: a late response to one is read, not just reset.
         self.awaiting_gone: dict = {}
+        # DATA metas seen -> (stream, has_continuation): a stream's DATA frames all carry one of
+        # two metas, so most frames are routed without decoding protobuf. Cleared whenever a
+        # stream leaves, so it never routes to an ended stream; at most _MAX_ROUTES entries.
+        self._data_routes: dict = {}
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -47,6 +52,7 @@ class StreamTable:
 
     def remove(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
+        self._data_routes.clear()
 
     def response_abandoned(self, stream_id: int) -> None:
         """Client: the call of first stream `stream_id` ended before its response came."""
@@ -56,8 +62,13 @@ class StreamTable:
             del gone[next(iter(gone))]
 
     def frame_received(self, ev) -> None:
+        key = bytes(ev.meta)
+        route = self._data_routes.get(key)
+        if route is not None:
+            route[0]._on_data(ev.payload, route[1])
+            return
         try:
-            meta = _decode_frame_meta(ev.meta)
+            meta = _decode_frame_meta(key)
         except RemoteProtocolError as e:
             self._dropped("%s: dropped a STRM frame: %s", e)
             return
@@ -72,6 +83,10 @@ class StreamTable:
             self._unknown(meta)
             return
         if ftype == _DATA:
+            routes = self._data_routes
+            if len(routes) >= _MAX_ROUTES:
+                routes.clear()
+            routes[key] = (stream, meta.has_continuation)
             stream._on_data(ev.payload, meta.has_continuation)
         elif ftype == _FEEDBACK:
             if len(ev.payload):
@@ -99,5 +114,6 @@ class StreamTable:
     def connection_lost(self, code: int, text: str) -> None:
         """The connection is gone: every stream on it ends with `code` (nothing is sent)."""
         streams, self.streams = self.streams, {}
+        self._data_routes.clear()
         for stream in list(streams.values()):
             stream._end(code, text)
