@@ -116,7 +116,7 @@ class Stream:
                  "_unconsumed", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
                  "_write_lock", "_waiters", "_reader", "_feedback_scheduled", "_idle_handle",
                  "_last_active", "_closed_fut", "_handler_task", "_notified", "_close_pending",
-                 "_data_meta", "_data_meta_more", "_loop")
+                 "_data_meta", "_data_meta_more", "_feedback_meta", "_loop")
 
     def __init__(self, max_buf_size: int, idle_timeout_ms: int, messages_in_batch: int, handler) -> None:
         self.id = next(_ids)
@@ -153,6 +153,7 @@ class Stream:
         self._close_pending = False
         self._data_meta = b""
         self._data_meta_more = b""
+        self._feedback_meta = b""
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- creating ------------------------------------------------------------------------------
@@ -259,6 +260,17 @@ class Stream:
         view = streaming.message_view(message)
         n = view.nbytes
         lock = self._write_lock
+        if ((lock is None or not lock.locked()) and self._state == _CONNECTED and self._peer_writable
+                and n <= self._segment_size):
+            # The common case needs no lock and no wait: nothing below awaits, so no other
+            # writer can come between the window check and the write.
+            window = self._max_buf_size
+            conn = self._conn
+            if (window <= 0 or self.produced < self._remote_consumed + window) and conn.writable(n):
+                self.produced += n
+                conn.write([streaming.data_head(self._data_meta, n), view] if n else
+                           [streaming.data_head(self._data_meta, 0)], n + 12 + len(self._data_meta))
+                return
         if lock is None:
             lock = self._write_lock = asyncio.Lock()
         async with lock:
@@ -385,7 +397,7 @@ class Stream:
     def _send_feedback(self) -> None:
         self._feedback_scheduled = False
         if self._state == _CONNECTED:
-            self._conn.write([streaming.feedback_frame(self._peer_id, self.id, self.consumed)])
+            self._conn.write([streaming.feedback_frame_from(self._feedback_meta, self.consumed)])
 
     # -- closing -------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -434,6 +446,7 @@ class Stream:
         self._awaiting_response = False
         self._data_meta = streaming.data_meta(self._peer_id, self.id, False)
         self._data_meta_more = streaming.data_meta(self._peer_id, self.id, True)
+        self._feedback_meta = streaming.feedback_meta_prefix(self._peer_id, self.id)
         backlog, self._backlog = self._backlog, []
         for view in backlog:
             conn.write(streaming.segments(view, view.nbytes, self._data_meta, self._data_meta_more,
@@ -528,6 +541,8 @@ class Stream:
             table = conn.streams
             if table is not None:
                 table.remove(self.id)
+                if self._awaiting_response:
+                    table.response_abandoned(self.id)
             if send and state == _CONNECTED and not conn.is_closed:
                 frame = (streaming.close_frame(self._peer_id, self.id) if send == _SEND_CLOSE
                          else streaming.rst_frame(self._peer_id))

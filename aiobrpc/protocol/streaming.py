@@ -72,6 +72,11 @@ def feedback_meta(stream_id: int, source_stream_id: int, consumed_size: int) -> 
             + _varint(len(fb)) + fb)
 
 
+def feedback_meta_prefix(stream_id: int, source_stream_id: int) -> bytes:
+    """What every FEEDBACK meta of one stream starts with (see feedback_frame_from)."""
+    return b"\x08" + _varint(stream_id) + b"\x10" + _varint(source_stream_id) + b"\x18\x04\x2a"
+
+
 def close_meta(stream_id: int, source_stream_id: int) -> bytes:
     return b"\x08" + _varint(stream_id) + b"\x10" + _varint(source_stream_id) + b"\x18\x02"
 
@@ -90,6 +95,13 @@ def meta_only_frame(meta: bytes) -> bytes:
 
 def feedback_frame(stream_id: int, source_stream_id: int, consumed_size: int) -> bytes:
     return meta_only_frame(feedback_meta(stream_id, source_stream_id, consumed_size))
+
+
+def feedback_frame_from(prefix: bytes, consumed_size: int) -> bytes:
+    """feedback_frame(), from the stream's feedback_meta_prefix: only the count is encoded."""
+    fb = b"\x08" + _varint(consumed_size)
+    n = len(prefix) + 1 + len(fb)
+    return _header(n, n) + prefix + bytes((len(fb),)) + fb
 
 
 def close_frame(stream_id: int, source_stream_id: int) -> bytes:

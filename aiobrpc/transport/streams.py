@@ -2,7 +2,9 @@
 
 A frame for an id this connection does not know (never existed, or closed: ids are never
 reused) is dropped and counted; DATA and CLOSE are answered with an RST to their source, as
-brpc does, so the peer's stream ends too. FEEDBACK for an unknown id is ignored and an RST is
+brpc does, so the peer's stream ends too. The exception is the late response of a call that
+ended first (a timeout, a cancel): it comes in a DATA frame to the call's first stream, which is
+gone, and every stream it offers is reset, not only the first (brpc's "RST to the offered ids"). FEEDBACK for an unknown id is ignored and an RST is
 never answered, so two peers cannot bounce frames forever. A frame whose meta does not parse
 is dropped with a log line: the framing around it held, so nothing else has to close.
 """
@@ -20,18 +22,27 @@ _drop_log = RateLimitedLog()
 
 _DATA, _FEEDBACK, _CLOSE, _RST = streaming.DATA, streaming.FEEDBACK, streaming.CLOSE, streaming.RST
 _decode_frame_meta = streaming.decode_frame_meta
+_MAX_AWAITING_GONE = 1024
+_MAX_ROUTES = 64
 
 
 class StreamTable:
     """`streams` maps local stream id -> endpoint (an aiobrpc.Stream); `stats` is the owner's
     counters (ClientStats or ServerStats: `stream_frames_dropped`)."""
 
-    __slots__ = ("conn", "streams", "stats")
+    __slots__ = ("conn", "streams", "stats", "awaiting_gone", "_data_routes")
 
     def __init__(self, conn, stats) -> None:
         self.conn = conn
         self.streams: dict = {}
         self.stats = stats
+        # Client: first streams of calls that ended before their response came (id -> None),
+        # oldest first, at most _MAX_AWAITING_GONE: a late response to one is read, not just reset.
+        self.awaiting_gone: dict = {}
+        # DATA metas seen -> (stream, has_continuation): a stream's DATA frames all carry one of
+        # two metas, so most frames are routed without decoding protobuf. Cleared whenever a
+        # stream leaves, so it never routes to an ended stream; at most _MAX_ROUTES entries.
+        self._data_routes: dict = {}
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -41,19 +52,41 @@ class StreamTable:
 
     def remove(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
+        self._data_routes.clear()
+
+    def response_abandoned(self, stream_id: int) -> None:
+        """Client: the call of first stream `stream_id` ended before its response came."""
+        gone = self.awaiting_gone
+        gone[stream_id] = None
+        if len(gone) > _MAX_AWAITING_GONE:
+            del gone[next(iter(gone))]
 
     def frame_received(self, ev) -> None:
+        key = bytes(ev.meta)
+        route = self._data_routes.get(key)
+        if route is not None:
+            route[0]._on_data(ev.payload, route[1])
+            return
         try:
-            meta = _decode_frame_meta(ev.meta)
+            meta = _decode_frame_meta(key)
         except RemoteProtocolError as e:
             self._dropped("%s: dropped a STRM frame: %s", e)
             return
         stream = self.streams.get(meta.stream_id)
         ftype = meta.frame_type
         if stream is None:
+            gone = self.awaiting_gone
+            if ftype == _DATA and meta.stream_id in gone and not meta.has_continuation:
+                del gone[meta.stream_id]
+                self.conn.response_in_stream(ev.payload)  # no call waits for it: its offer is reset
+                return
             self._unknown(meta)
             return
         if ftype == _DATA:
+            routes = self._data_routes
+            if len(routes) >= _MAX_ROUTES:
+                routes.clear()
+            routes[key] = (stream, meta.has_continuation)
             stream._on_data(ev.payload, meta.has_continuation)
         elif ftype == _FEEDBACK:
             if len(ev.payload):
@@ -81,5 +114,6 @@ class StreamTable:
     def connection_lost(self, code: int, text: str) -> None:
         """The connection is gone: every stream on it ends with `code` (nothing is sent)."""
         streams, self.streams = self.streams, {}
+        self._data_routes.clear()
         for stream in list(streams.values()):
             stream._end(code, text)

@@ -181,3 +181,10 @@ def test_a_strided_message_is_refused():
 def test_segment_size_must_be_positive():
     with pytest.raises(LocalProtocolError):
         streaming.data_frames(1, 2, b"abc", 0)
+
+
+@pytest.mark.parametrize("ids", [(1, 7, 3), (2**40, 0, 2**62), (0, -1, 0)])
+def test_a_feedback_frame_from_its_prefix_is_the_same_frame(ids):
+    peer, own, consumed = ids
+    prefix = streaming.feedback_meta_prefix(peer, own)
+    assert streaming.feedback_frame_from(prefix, consumed) == streaming.feedback_frame(peer, own, consumed)

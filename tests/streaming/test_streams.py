@@ -431,3 +431,19 @@ async def test_a_cancelled_reader_and_writer_leave_the_stream_usable(echo_pair):
     async with stream:
         pass  # closes
     assert stream.closed
+
+
+async def test_a_late_wrapped_response_resets_every_stream_it_offers(echo_pair):
+    server, servicer, channel, stub = echo_pair
+    cntl = aiobrpc.Controller(timeout_ms=50)
+    streams = aiobrpc.Stream.create_many(cntl, 3)
+    with pytest.raises(aiobrpc.RpcError) as ei:
+        await stub.StartStream(Req(message="slow", sleep_ms=200), cntl)
+    assert ei.value.code == errors.ERPCTIMEDOUT
+    assert all(s.error.code == errors.ERPCTIMEDOUT for s in streams)
+    await asyncio.sleep(0.4)  # the server accepted all three and answered: each gets an RST
+    late = servicer.streams
+    assert len(late) == 3
+    assert all(s.closed and s.error.code == errors.ECONNRESET for s in late)
+    assert server.stream_count() == 0 and channel_stream_count(channel) == 0
+    assert channel.stats.late_or_unknown_responses == 1
