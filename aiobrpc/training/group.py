@@ -54,7 +54,7 @@ class _Flight:
         self.group = group
         self.op = op
         self.seq = seq
-        self.future: asyncio.Future = group._loop.create_future()
+        self.future: asyncio.Future = group._loop.create_future()  # type: ignore[union-attr]
         self.inflight = 0
         self.queue: list = []
 
@@ -119,7 +119,7 @@ class Group:
         self._stubs: dict[int, Stub] = {}
         self._channels: list[Channel] = []
         self._background: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     @classmethod
@@ -167,7 +167,10 @@ class Group:
         if self._closed:
             return
         self._closed = True
+        healthy = self._broken is None
         self._fail(CollectiveError(f"the group was closed on rank {self.rank}"), tell_peers=False)
+        if self._background:  # an Abort still on its way to a peer is worth a short wait
+            await asyncio.wait(list(self._background), timeout=CONTROL_TIMEOUT_S)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -176,11 +179,11 @@ class Group:
         if self._server is not None:
             # Ranks close together after their last collective: waiting a moment for the left
             # neighbour to close its connection first spares it a "server lost" warning.
-            end = self._loop.time() + CLOSE_DRAIN_S
+            end = self._loop.time() + (CLOSE_DRAIN_S if healthy else 0.0)
             while self._server.connections and self._loop.time() < end:
                 await asyncio.sleep(0.01)
             await self._server.stop()
-            await self._server.join(timeout=1)
+            await self._server.join(timeout=1 if healthy else 0.1)
 
     async def __aenter__(self) -> Group:
         return self
@@ -194,58 +197,67 @@ class Group:
         return self._broken
 
     # -- collectives ---------------------------------------------------------------------------
-    async def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
+    # Each returns an awaitable (a Task) and takes its number in the group when called, not
+    # when awaited: the order of the calls is the order on the wire, whoever awaits when.
+    def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> asyncio.Future[None]:
         """Combine `tensor` over the ranks with `op` (SUM, AVG, MAX, MIN), in place on every
         rank. float16/bfloat16 are accumulated in float32 and rounded once."""
         code, raw = raw_array(tensor)
-        await self._run(ops.AllReduce(self.rank, self.world_size, code, raw, reduce_op(op), self._elems(raw, 2)))
+        return self._enqueue(ops.AllReduce(self.rank, self.world_size, code, raw, reduce_op(op),
+                                           self._elems(raw, wide=True)))
 
-    async def reduce_scatter(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> np.ndarray:
-        """Combine `tensor` over the ranks and return this rank's part of the result: chunk
-        `rank` of the flattened tensor cut into `world_size` chunks whose sizes differ by at
-        most one element (numpy.array_split's). `tensor` is not changed. The part is a numpy
-        array in the tensor's wire dtype (bfloat16 as uint16 bits)."""
+    def reduce_scatter(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> asyncio.Future[np.ndarray]:
+        """Combine `tensor` over the ranks; the result is this rank's part: chunk `rank` of the
+        flattened tensor cut into `world_size` chunks whose sizes differ by at most one element
+        (numpy.array_split's), a numpy array in the tensor's wire dtype (bfloat16 as its uint16
+        bits). `tensor` is not changed."""
         code, raw = raw_array(tensor)
-        op_ = ops.ReduceScatter(self.rank, self.world_size, code, raw, reduce_op(op), self._elems(raw, 2))
-        await self._run(op_)
-        return op_.result()
+        op_ = ops.ReduceScatter(self.rank, self.world_size, code, raw, reduce_op(op),
+                                self._elems(raw, wide=True))
+        return self._enqueue(op_, op_.result)
 
-    async def all_gather(self, tensor: Any, out: Any = None) -> Any:
-        """Every rank's `tensor` (same shape and dtype on all) stacked in rank order: `out`
-        (a C-contiguous array of world_size times as many elements) or a new numpy array of
-        shape (world_size, *tensor.shape)."""
+    def all_gather(self, tensor: Any, out: Any = None) -> asyncio.Future[Any]:
+        """Every rank's `tensor` (same shape and dtype on all) in rank order; the result is
+        `out` (C-contiguous, world_size times as many elements, same dtype) or a new numpy
+        array of shape (world_size, *tensor.shape)."""
         code, raw = raw_array(tensor)
         if out is None:
             out = np.empty((self.world_size, *tensor.shape), raw.dtype)
         ocode, oraw = raw_array(out, what="all_gather output")
         if ocode != code:
-            raise ValueError(f"all_gather output has another dtype than the tensor")
-        await self._run(ops.AllGather(self.rank, self.world_size, code, raw, oraw, self._elems(raw, 1)))
-        return out
+            raise ValueError("all_gather output has another dtype than the tensor")
+        return self._enqueue(ops.AllGather(self.rank, self.world_size, code, raw, oraw,
+                                           self._elems(raw, wide=False)), lambda: out)
 
-    async def broadcast(self, tensor: Any, root: int = 0) -> None:
+    def broadcast(self, tensor: Any, root: int = 0) -> asyncio.Future[None]:
         """`tensor` of rank `root` copied into `tensor` on every other rank."""
         if not isinstance(root, int) or not 0 <= root < self.world_size:
             raise ValueError(f"root must be a rank in 0..{self.world_size - 1}, got {root!r}")
         code, raw = raw_array(tensor)
-        await self._run(ops.Broadcast(self.rank, self.world_size, code, raw, root, self._elems(raw, 1)))
+        return self._enqueue(ops.Broadcast(self.rank, self.world_size, code, raw, root,
+                                           self._elems(raw, wide=False)))
 
-    async def barrier(self) -> None:
-        """Return once every rank has called barrier."""
-        await self._run(ops.Barrier(self.rank, self.world_size, 1))
+    def barrier(self) -> asyncio.Future[None]:
+        """Done once every rank has called barrier."""
+        return self._enqueue(ops.Barrier(self.rank, self.world_size, 1))
 
-    def _elems(self, raw: np.ndarray, widen: int) -> int:
-        return max(1, self.segment_bytes // (max(raw.itemsize, 4) if widen == 2 else raw.itemsize))
+    def _elems(self, raw: np.ndarray, wide: bool) -> int:
+        return max(1, self.segment_bytes // (max(raw.itemsize, 4) if wide else raw.itemsize))
 
-    async def _run(self, op: ops.RingOp) -> None:
+    def _enqueue(self, op: ops.RingOp, result: Any = None) -> asyncio.Future:
+        if self._loop is None:
+            raise RuntimeError("the group is not started: make it with `await Group.create(...)`")
         if self._broken is not None:
             raise self._broken
-        seq = self._next_seq
+        flight = _Flight(self, op, self._next_seq)
         self._next_seq += 1
-        flight = _Flight(self, op, seq)
         op.emit = flight.emit
-        prev, done = self._tail, self._loop.create_future()
-        self._tail = done
+        prev, self._tail = self._tail, self._loop.create_future()
+        return self._loop.create_task(self._run(flight, prev, self._tail, result))
+
+    async def _run(self, flight: _Flight, prev: asyncio.Future | None, done: asyncio.Future,
+                   result: Any) -> Any:
+        seq = flight.seq
         timer = None
         try:
             if prev is not None:
@@ -259,10 +271,11 @@ class Group:
                 waiter.set_result(flight)
             timer = self._loop.call_later(max(0.0, self.timeout - _probe_time(self.timeout)),
                                           lambda: self._spawn(self._diagnose(flight)))
-            op.start()
+            flight.op.start()
             self._check_done(flight)
             await flight.future
             self.ops_finished = seq
+            return result() if result is not None else None
         except asyncio.CancelledError:
             self._fail(CollectiveError(f"{flight.describe()} was cancelled on rank {self.rank}", (self.rank,)))
             raise

@@ -8,6 +8,7 @@ loop meanwhile. Collectives are started in the order they are called from any th
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import threading
 from typing import Any, Callable, Coroutine
@@ -38,8 +39,10 @@ class GroupThread:
         self.loop = (loop_factory or _default_loop)()
         self._thread = threading.Thread(target=self._serve, name=f"aiobrpc-group-rank{rank}", daemon=True)
         self._thread.start()
+        # A daemon thread still running a loop while the interpreter finalizes can crash it.
+        atexit.register(self.close)
         try:
-            self.group: Group = self.submit(Group.create(store, rank, world_size, **options)).result()
+            self.group: Group = self.submit(Group.create, store, rank, world_size, **options).result()
         except BaseException:
             self._stop()
             raise
@@ -48,9 +51,24 @@ class GroupThread:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
-        """Run `coro` (e.g. `gt.group.all_reduce(t)`) on the group's loop; its future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Call `fn(*args)` on the group's loop, e.g. `submit(gt.group.all_reduce, t)`, and
+        return a future of what the awaitable it returns gives. Calls run in the order they
+        were submitted, so collectives are numbered in that order."""
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+
+        def start() -> None:
+            if not cf.set_running_or_notify_cancel():
+                return
+            try:
+                aw = asyncio.ensure_future(fn(*args, **kwargs))
+            except BaseException as e:
+                cf.set_exception(e)
+                return
+            aw.add_done_callback(lambda f: _copy_result(f, cf))
+
+        self.loop.call_soon_threadsafe(start)
+        return cf
 
     @property
     def rank(self) -> int:
@@ -62,30 +80,31 @@ class GroupThread:
 
     def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """`Group.all_reduce`, waited for."""
-        self.submit(self.group.all_reduce(tensor, op)).result()
+        self.submit(self.group.all_reduce, tensor, op).result()
 
     def reduce_scatter(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> np.ndarray:
         """`Group.reduce_scatter`, waited for."""
-        return self.submit(self.group.reduce_scatter(tensor, op)).result()
+        return self.submit(self.group.reduce_scatter, tensor, op).result()
 
     def all_gather(self, tensor: Any, out: Any = None) -> Any:
         """`Group.all_gather`, waited for."""
-        return self.submit(self.group.all_gather(tensor, out)).result()
+        return self.submit(self.group.all_gather, tensor, out).result()
 
     def broadcast(self, tensor: Any, root: int = 0) -> None:
         """`Group.broadcast`, waited for."""
-        self.submit(self.group.broadcast(tensor, root)).result()
+        self.submit(self.group.broadcast, tensor, root).result()
 
     def barrier(self) -> None:
         """`Group.barrier`, waited for."""
-        self.submit(self.group.barrier()).result()
+        self.submit(self.group.barrier).result()
 
     def close(self) -> None:
         """Close the group, stop the loop and join the thread."""
+        atexit.unregister(self.close)
         if not self._thread.is_alive():
             return
         try:
-            self.submit(self.group.close()).result()
+            self.submit(self.group.close).result()
         finally:
             self._stop()
 
@@ -98,7 +117,7 @@ class GroupThread:
             await self.loop.shutdown_asyncgens()
             await self.loop.shutdown_default_executor()
         try:
-            self.submit(drain()).result(timeout=10)
+            self.submit(drain).result(timeout=10)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
@@ -109,3 +128,12 @@ class GroupThread:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _copy_result(f: asyncio.Future, cf: concurrent.futures.Future) -> None:
+    if f.cancelled():
+        cf.cancel()
+    elif f.exception() is not None:
+        cf.set_exception(f.exception())
+    else:
+        cf.set_result(f.result())
