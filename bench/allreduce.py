@@ -55,7 +55,8 @@ def worker(rank: int, world: int, port: int, sizes: list[int], budget_s: float, 
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
-    group = GroupThread(dist.PrefixStore("aiobrpc", store), rank, world, timeout=120)
+    group = GroupThread(dist.PrefixStore("aiobrpc", store), rank, world, timeout=120,
+                        **json.loads(os.environ.get("AIOBRPC_BENCH_OPTIONS", "{}")))
     rows = []
     try:
         for nbytes in sizes:
