@@ -15,13 +15,14 @@ from .controller import Controller
 from .errors import LocalProtocolError, RemoteProtocolError, RpcError
 from .options import ChannelOptions, ServerOptions
 from .server.server import Server
+from .stream import Stream, StreamHandler
 from .stub import Servicer, Stub
 
 __all__ = [
     "BackupRequestPolicy", "Channel", "ChannelOptions", "Controller", "FixedBackoffRetryPolicy",
     "JitteredBackoffRetryPolicy", "LatencyQuantileBackupPolicy", "LocalProtocolError",
     "RateLimitedBackupPolicy", "RemoteProtocolError", "RetryPolicy", "RetryThrottle", "RpcError",
-    "Server", "ServerOptions", "Servicer", "Stub", "errors", "event_loop_policy", "implementation",
+    "Server", "ServerOptions", "Servicer", "Stream", "StreamHandler", "Stub", "errors", "event_loop_policy", "implementation",
 ]
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ class Controller:
     Server side: the request's fields are filled in (`log_id`, `timeout_ms` is the deadline
     the client propagated or None, `request_attachment`, `request_user_fields`,
     `request_compress_type`, `request_checksum_type`, `request_checksum_with_attachment`,
-    `authentication_data`, `remote_side`); the handler may set `response_attachment`,
+    `authentication_data`, `remote_side`, `has_remote_stream`); the handler may set `response_attachment`,
     `response_user_fields`, `response_compress_type`, `response_checksum_type` (or
     `response_checksum`), `response_checksum_with_attachment`, call `set_failed(code, text)`
     or `close_connection(reason)`.
@@ -164,6 +164,11 @@ class Controller:
     backup_request_ms: int | None = None
     connection_type: str | None = None
     _attempts: list | None = None
+    # Streams (aiobrpc/stream.py): offered with the next call (client), offered by the request
+    # as (connection, settings) and accepted by the handler (server).
+    _streams: list | None = None
+    _stream_offer: tuple | None = None
+    _accepted_streams: list | None = None
 
     def __init__(self, *, log_id: int | None = None, timeout_ms: int | None = None,
                  request_id: str | None = None, max_retry: int | None = None,
@@ -254,6 +259,11 @@ class Controller:
             from .client.call import AttemptInfo
             return [AttemptInfo(self.remote_side, self.correlation_id, 0, False)]
         return []
+
+    @property
+    def has_remote_stream(self) -> bool:
+        """Server: whether the request offers streams, to accept with `aiobrpc.Stream.accept(cntl)`."""
+        return self._stream_offer is not None
 
     @property
     def failed(self) -> bool:

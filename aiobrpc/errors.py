@@ -37,6 +37,7 @@ from __future__ import annotations
 # errno values as brpc uses them (Linux numbering, never the host's).
 EPERM = 1
 ENOENT = 2
+EBADF = 9
 EAGAIN = 11
 ENOMEM = 12
 EINVAL = 22
@@ -110,6 +111,7 @@ DESCRIPTIONS: dict[int, str] = {
     ERDMAMEM: "Memory not registered for RDMA",
     EPERM: "Operation not permitted",
     ENOENT: "No such file or directory",
+    EBADF: "Bad file descriptor",
     EAGAIN: "Resource temporarily unavailable",
     ENOMEM: "Cannot allocate memory",
     EINVAL: "Invalid argument",

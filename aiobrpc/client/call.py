@@ -28,7 +28,8 @@ from .. import _fast
 from ..controller import Controller
 from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
                       EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
-from ..protocol import baidu_std, content
+from ..protocol import baidu_std, content, streaming
+from ..stream import connect_streams, streams_failed
 from .pool import SINGLE
 from .retry import NEVER_RETRIED, RetryPolicy, retry_allowed
 
@@ -109,7 +110,7 @@ class Call:
     __slots__ = ("channel", "loop", "cntl", "service_name", "method_name", "serialized",
                  "response_class", "fut", "deadline", "timeout_ms", "max_retry", "idempotent",
                  "ctype", "retried", "current", "unfinished", "excluded", "timer",
-                 "backup_timer", "retry_handle", "backup_ms", "errors", "start_ns", "finished")
+                 "backup_timer", "retry_handle", "backup_ms", "errors", "start_ns", "finished", "streams")
 
     def __init__(self, channel, loop, service_name: str, method_name: str, serialized,
                  response_class, cntl: Controller, started: float | None = None) -> None:
@@ -132,6 +133,13 @@ class Call:
             idempotent = channel.is_idempotent(service_name, method_name)
         self.idempotent = idempotent
         self.ctype = opts.connection_type if cntl.connection_type is None else cntl.connection_type
+        streams = self.streams = cntl._streams
+        if streams is not None:
+            # brpc: a call that carries streams is never repeated, and its streams live on the
+            # connection it went on.
+            cntl._streams = None
+            self.max_retry = 0
+            self.ctype = SINGLE
         self.retried = 0
         self.current: Attempt | None = None
         self.unfinished: Attempt | None = None  # the original, once a backup was sent
@@ -152,7 +160,7 @@ class Call:
         opts = self.channel.options
         try:
             # A backup repeats the work, so never for non-idempotent methods.
-            if self.idempotent and (opts.backup_request_ms >= 0 or opts.backup_request_policy is not None
+            if self.idempotent and self.streams is None and (opts.backup_request_ms >= 0 or opts.backup_request_policy is not None
                                     or self.cntl.backup_request_ms is not None):
                 ms = self._backup_delay_ms()
                 if ms >= 0 and (self.timeout_ms < 0 or ms < self.timeout_ms):
@@ -254,6 +262,14 @@ class Call:
         if fields:
             meta.user_fields = list(fields.items())
         meta.content_type = cntl.request_content_type
+        streams = self.streams
+        if streams is not None:
+            if any(st._conn is not None or st.closed for st in streams):
+                self._ended(att, None, RpcError(EREQUEST, "a stream can be offered by one call only"))
+                return
+            first = streams[0]
+            meta.stream_settings = streaming.encode_settings(first.id, first._max_buf_size > 0, True,
+                                                             [st.id for st in streams[1:]])
         attachment = cntl.request_attachment
         data = self.serialized
         try:
@@ -269,6 +285,12 @@ class Call:
         except (LocalProtocolError, ValueError, TypeError) as e:
             self._ended(att, None, RpcError(EREQUEST, f"Fail to pack request: {e}"))
             return
+        streams = self.streams
+        if streams is not None:
+            table = conn.stream_table()
+            for i, st in enumerate(streams):
+                st._attach(conn, i == 0)  # the response comes as the first message of the first
+                table.add(st)
         conn.needs_credential = False  # only once the request that carries it is sure to go
         att.cid = cid
         conn.pending[cid] = att
@@ -292,6 +314,8 @@ class Call:
                 code, text = ERESPONSE, str(ev.error)
             else:
                 text = meta.error_text or ""
+            if meta.stream_settings is not None and (code or self.finished or self.streams is None):
+                conn.reset_offered_streams(meta.stream_settings)  # streams no call of ours takes
         else:
             code, text = err.code, err.text
         if self.finished:
@@ -325,6 +349,11 @@ class Call:
             if opts.retry_policy is not None and self._policy_retries_success(att, opts.retry_policy):
                 self._retry(att)  # brpc: a custom policy may retry a success (it is discarded)
                 return
+            if self.streams is not None:
+                refused = connect_streams(self.streams, conn, ev.meta.stream_settings)
+                if refused is not None:
+                    self._complete(att, None, refused)
+                    return
             self._complete(att, response, None)
             return
         if throttle is not None:
@@ -519,6 +548,8 @@ class Call:
         if err is not None:
             cntl.error_code = err.code
             cntl.error_text = err.text
+            if self.streams is not None:
+                streams_failed(self.streams, err.code, err.text)
         policy = self.channel.options.backup_request_policy
         if policy is not None:
             try:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import socket
 
-from .._proto import brpc_streaming_pb2
 from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError, RpcError
-from ..protocol.baidu_std import CLIENT, pack_header
-from ..protocol.events import StreamFrameReceived
+from ..protocol import streaming
+from ..protocol.baidu_std import CLIENT, Decoder
+from ..protocol.events import ResponseReceived, StreamFrameReceived
+from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ class ClientStats:
         timeouts: Calls ended by their deadline (ERPCTIMEDOUT).
         connections_made: Connections opened, of every type.
         connections_lost: Connections closed, by either side or by a failure.
-        stream_frames_dropped: Stream frames received, dropped (this client opens no streams).
+        stream_frames_dropped: Stream frames received and dropped: for a stream id unknown here
+            (closed, or never opened), unparsable, or of an unknown type.
         retries: Attempts retried after a failure.
         backup_requests: Backup requests sent.
         backup_losers: Attempts abandoned because the other one (backup or original) won.
@@ -82,30 +84,46 @@ class ClientConnection(FramedConnection):
 
     def event_received(self, ev) -> None:
         if type(ev) is StreamFrameReceived:
-            # Streams are not opened by this client yet: nothing can be addressed to us.
-            self.stats.stream_frames_dropped += 1
+            self.stream_table().frame_received(ev)
             return
-        if ev.meta.stream_settings is not None:
-            # No call of this client opens streams, so streams offered in a response are
-            # refused with an RST each, as brpc does for a stream it did not ask for.
-            self._reset_offered_streams(ev.meta.stream_settings)
         attempt = self.pending.pop(ev.meta.correlation_id, None)
         if attempt is None:
+            if ev.meta.stream_settings is not None:
+                self.reset_offered_streams(ev.meta.stream_settings)  # a call of ours that ended
             self.stats.late_or_unknown_responses += 1
             _unknown_log(logging.DEBUG, "dropped a response with unknown or late correlation_id=%s from %s",
                          ev.meta.correlation_id, self.peer)
             return
         attempt.on_response(ev)
 
-    def _reset_offered_streams(self, raw_settings) -> None:
+    def response_in_stream(self, message) -> None:
+        """The first message of a call's first stream: the call's response, a whole PRPC frame."""
+        decoder = Decoder(CLIENT, self.max_body_size)
         try:
-            settings = brpc_streaming_pb2.StreamSettings.FromString(bytes(raw_settings))
-        except Exception:  # protobuf's DecodeError; a bad offer is only ignored
+            decoder.feed(message)
+            ev = decoder.next_event()
+            if type(ev) is not ResponseReceived or decoder.pending_bytes():
+                raise RemoteProtocolError(f"the first message of a stream ({len(message)} bytes) is not "
+                                          "one PRPC response frame")
+        except RemoteProtocolError as e:
+            self.protocol_error(e)
             return
-        for stream_id in (settings.stream_id, *settings.extra_stream_ids):
-            meta = brpc_streaming_pb2.StreamFrameMeta(
-                stream_id=stream_id, frame_type=brpc_streaming_pb2.FRAME_TYPE_RST).SerializeToString()
-            self.write([pack_header(b"STRM", len(meta), len(meta)) + meta])
+        self.event_received(ev)
+
+    def stream_table(self) -> StreamTable:
+        if self.streams is None:
+            self.streams = StreamTable(self, self.stats)
+        return self.streams
+
+    def reset_offered_streams(self, raw_settings) -> None:
+        """RST each stream of these StreamSettings: the server offered them to no call of ours
+        (brpc does the same for a stream it did not ask for)."""
+        try:
+            settings = streaming.decode_settings(raw_settings)
+        except RemoteProtocolError:  # a bad offer is only ignored
+            return
+        for stream_id in settings.stream_ids:
+            self.write([streaming.rst_frame(stream_id)])
 
     def protocol_error(self, e: RemoteProtocolError) -> None:
         if str(e).startswith("unknown protocol"):
@@ -124,7 +142,8 @@ class ClientConnection(FramedConnection):
         if self._on_closed is not None:
             self._on_closed(self, exc)
         pending, self.pending = self.pending, {}
-        if not pending:
+        table = self.streams
+        if not pending and not table:
             return
         if exc is None:
             err = RpcError(EEOF, f"Got EOF of {self.peer}")
@@ -136,6 +155,8 @@ class ClientConnection(FramedConnection):
             err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc!r}")
         for attempt in pending.values():
             attempt.on_failed(RpcError(err.code, err.text))
+        if table:
+            table.connection_lost(err.code, err.text)
 
     def drop(self) -> None:
         """Its event loop ended (the channel moved to a new one): forget the connection without
@@ -146,6 +167,7 @@ class ClientConnection(FramedConnection):
             return
         self.is_closed = True
         self.pending = {}  # the calls of that loop ended with it
+        self.streams = None  # and so did its streams
         self.stats.connections_lost += 1
         try:
             transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)

@@ -6,9 +6,10 @@ import asyncio
 import inspect
 import logging
 
-from ..errors import RemoteProtocolError
+from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError
 from ..protocol.baidu_std import SERVER
 from ..protocol.events import StreamFrameReceived
+from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
 from .dispatch import auth_failure_response
 
@@ -64,8 +65,10 @@ class ServerConnection(FramedConnection):
             self._first_frame_timer.cancel()
             self._first_frame_timer = None
         if type(ev) is StreamFrameReceived:
-            # No stream is ever opened by this server yet, so no frame can be addressed to one.
-            self.server.stats.stream_frames_dropped += 1
+            if self.auth_state != _OPEN:
+                self.server.stats.stream_frames_dropped += 1  # no stream before authentication
+                return
+            self.stream_table().frame_received(ev)
             return
         if self.auth_state != _OPEN:
             self._authenticate(ev)
@@ -170,7 +173,18 @@ class ServerConnection(FramedConnection):
         if self.transport is not None:
             self.transport.pause_reading()
 
+    def stream_table(self) -> StreamTable:
+        if self.streams is None:
+            self.streams = StreamTable(self, self.server.stats)
+        return self.streams
+
     def closed(self, exc) -> None:
+        table = self.streams
+        if table:
+            if exc is None:
+                table.connection_lost(EEOF, f"Got EOF of {self.peer}")
+            else:
+                table.connection_lost(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc}")
         if self._first_frame_timer is not None:
             self._first_frame_timer.cancel()
             self._first_frame_timer = None

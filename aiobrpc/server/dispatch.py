@@ -16,7 +16,7 @@ from .. import _fast
 from ..controller import Controller
 from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EOVERCROWDED, EREQUEST, ERESPONSE,
                       RemoteProtocolError, RpcError)
-from ..protocol import baidu_std, checksum, compress, content
+from ..protocol import baidu_std, checksum, compress, content, streaming
 from ..stub import Servicer, message_class
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,11 @@ def _pack_response(request_meta, serialized, attachment, cntl: Controller) -> li
     else:
         data = serialized
         meta.compress_type = 0
+    accepted = cntl._accepted_streams
+    if accepted:
+        first = accepted[0]
+        meta.stream_settings = streaming.encode_settings(first.id, first._max_buf_size > 0, True,
+                                                         [s.id for s in accepted[1:]])
     fields = cntl._response_user_fields
     if fields:
         meta.user_fields = list(fields.items())

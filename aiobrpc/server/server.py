@@ -15,8 +15,10 @@ import inspect
 import logging
 import sys
 
-from ..errors import EINTERNAL, ERESPONSE, RpcError
+from ..errors import EFAILEDSOCKET, EINTERNAL, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
 from ..options import ServerOptions
+from ..protocol import streaming
+from ..stream import streams_failed
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
@@ -42,7 +44,8 @@ class ServerStats:
         connections_accepted: Connections accepted.
         connections_refused: Connections closed at once: `max_connections` reached, or
             the server stopping.
-        stream_frames_dropped: Stream frames received, dropped (no stream is opened yet).
+        stream_frames_dropped: Stream frames received and dropped: for a stream id unknown here
+            (closed, or never opened), unparsable, of an unknown type, or before authentication.
         closed: Connections the server closed, by reason (a `collections.Counter`):
             "first_frame_timeout", "idle_timeout", "auth_failed", "bad_frame",
             "unknown_protocol", "close_connection".
@@ -231,6 +234,10 @@ class Server:
     def connection_closed(self, conn: ServerConnection) -> None:
         self.connections.discard(conn)
 
+    def stream_count(self) -> int:
+        """Streams open on the server's connections (accepted and not ended)."""
+        return sum(len(c.streams) for c in self.connections if c.streams is not None)
+
     def _track(self, task: asyncio.Task) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -241,7 +248,7 @@ class Server:
             await asyncio.sleep(min(1.0, limit))
             now = asyncio.get_running_loop().time()
             for conn in list(self.connections):
-                if conn.inflight == 0 and now - conn.last_active > limit:
+                if conn.inflight == 0 and now - conn.last_active > limit and not conn.streams:
                     self.stats.count_close("idle_timeout")
                     conn.close()
 
@@ -252,8 +259,14 @@ class Server:
     def _dispatch(self, conn: ServerConnection, ev) -> None:
         self.stats.requests += 1
         meta = ev.meta
-        rejected = admission_error(self, conn, ev)
+        offer = None
         try:
+            if meta.stream_settings is not None:
+                try:
+                    offer = streaming.decode_settings(meta.stream_settings)
+                except RemoteProtocolError as e:
+                    raise RpcError(EREQUEST, f"the request's stream_settings: {e}") from None
+            rejected = admission_error(self, conn, ev)
             if rejected is not None:
                 raise RpcError(*rejected)
             entry = self.registry.lookup(meta.service_name, meta.method_name)
@@ -265,9 +278,13 @@ class Server:
                 e = RpcError(EINTERNAL, f"Fail to read the request: {e!r}")
             self.stats.failed_requests += 1
             bufs = error_response(meta, e.code, e.text, self._tag(conn))
+            if offer is not None:  # brpc answers inside the offered stream even when refusing it
+                bufs = streaming.wrap(offer.stream_id, streaming.INVALID_STREAM_ID, bufs, buffers_size(bufs))
             conn.write(bufs, buffers_size(bufs))
             return
         cntl = server_controller(ev, conn, entry)
+        if offer is not None:
+            cntl._stream_offer = (conn, offer)
         self.concurrency += 1
         conn.inflight += 1
         self._idle_event.clear()
@@ -299,6 +316,8 @@ class Server:
                 self._handler_failed(cntl, entry, e)
             if conn.is_closed:
                 self.stats.dropped_replies += 1
+                if cntl._accepted_streams:
+                    streams_failed(cntl._accepted_streams, EFAILEDSOCKET, f"Connection to {conn.peer} closed")
                 return
             if cntl._close_reason is not None:
                 self.stats.count_close("close_connection")
@@ -308,7 +327,10 @@ class Server:
             if bufs is None:
                 self.stats.failed_requests += 1
                 bufs = _error_reply(conn, meta, entry, cntl, self._tag(conn))
-            conn.write(bufs, buffers_size(bufs), conn.inflight == 1)
+            if cntl._stream_offer is not None:
+                _stream_reply(conn, cntl, bufs)
+            else:
+                conn.write(bufs, buffers_size(bufs), conn.inflight == 1)
         except Exception:
             # Not even an error reply could be built: closing is how the caller learns it.
             log.exception("no reply to %s from %s could be built; closing the connection", entry.full_name,
@@ -359,6 +381,22 @@ def _success_reply(meta, entry, response, cntl) -> list | None:
     log.error("%s: %s", entry.full_name, why)
     _set_failed(cntl, entry, ERESPONSE, why)
     return None
+
+
+def _stream_reply(conn, cntl, bufs: list) -> None:
+    """The reply to a request that offered streams goes inside a STRM DATA frame to the client's
+    first stream; right after it the accepted streams connect (and send what the handler
+    already wrote), or fail with the call's error."""
+    offer = cntl._stream_offer[1]
+    accepted = cntl._accepted_streams
+    ok = accepted and not cntl.failed
+    source = accepted[0].id if ok else streaming.INVALID_STREAM_ID
+    conn.write(streaming.wrap(offer.stream_id, source, bufs, buffers_size(bufs)))
+    if ok:
+        for s in accepted:
+            s._connected()
+    elif accepted:
+        streams_failed(accepted, cntl.error_code, cntl.error_text)
 
 
 def _error_reply(conn, meta, entry, cntl, tag: str) -> list:

@@ -1,4 +1,5 @@
-"""Distributed training over aiobrpc: ring collectives among N processes.
+"""Distributed training over aiobrpc, built on the public API like any user of the library:
+ring collectives among N processes (here) and `ps`, a parameter server.
 
 `Group` (asyncio) and `GroupThread` (synchronous callers; its loop runs in a background thread)
 run all_reduce (SUM, AVG, MAX, MIN), reduce_scatter, all_gather, broadcast and barrier on

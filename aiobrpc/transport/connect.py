@@ -12,6 +12,8 @@ transport is then made over that socket, which waits for nothing on the network.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import socket
 
 
@@ -62,11 +64,33 @@ async def _resolve(loop, host: str, port: int, deadline: float | None) -> list:
 
 
 async def _handshake(loop, sock: socket.socket, address, deadline: float | None) -> None:
+    """connect() now, in this call (loop.sock_connect may first resolve the address in a
+    thread, as uvloop's does, so that no SYN is out when a blocked loop wakes past the
+    deadline), then wait until the socket is writable."""
+    err = sock.connect_ex(address)
+    if err == 0:
+        return
+    if err not in (errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
+        raise OSError(err, f"Connect call failed {address}: {os.strerror(err)}")
+    fd = sock.fileno()
+    writable = loop.create_future()
+    loop.add_writer(fd, _set_done, writable)
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, address), _remaining(loop, deadline))
+        await asyncio.wait_for(writable, _remaining(loop, deadline))
     except asyncio.TimeoutError:
         if not _connected(sock):
             raise
+        return
+    finally:
+        loop.remove_writer(fd)
+    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, f"Connect call failed {address}: {os.strerror(err)}")
+
+
+def _set_done(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _connected(sock: socket.socket) -> bool:

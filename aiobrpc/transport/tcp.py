@@ -8,7 +8,12 @@ whatever `writelines` gets, so there small buffers are joined here and large one
 written one by one, which keeps an attachment from being copied into a joined bytes object.
 
 Backpressure: bytes queued per connection (ours plus the transport's) are capped by
-`max_unwritten_bytes`; `writable()` tells a caller whether another message may be queued.
+`max_unwritten_bytes`; `writable()` tells a caller whether another message may be queued, and
+`wait_flushed()` lets a writer that can wait (a stream) wait until what is queued went to the
+transport and the transport is not paused.
+
+Streams: `streams` is the connection's StreamTable once a stream lives on it (None before), and
+STRM frames go there.
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ class FramedConnection(asyncio.BufferedProtocol):
     def __init__(self, role: str, max_body_size: int,
                  max_unwritten_bytes: int = DEFAULT_MAX_UNWRITTEN_BYTES) -> None:
         self.decoder = Decoder(role, max_body_size)
+        self.max_body_size = max_body_size
+        self.streams = None  # a StreamTable, made by the first stream on this connection
+        self.write_paused = False
+        self._flush_waiters: list | None = None
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()
         self.peer: str = ""
@@ -135,7 +144,16 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._out.clear()
         self._out_bytes = 0
         self.decoder.reader.rbuf.clear()
+        self._wake_flush_waiters()
         self.closed(self.close_reason or exc)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._flush_waiters and not self._out:
+            self._wake_flush_waiters()
 
     # -- hooks -------------------------------------------------------------------------------
     def connection_made_hook(self) -> None:
@@ -185,7 +203,12 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._out_bytes = 0
         if self._writelines_ok:
             self.transport.writelines(out)
-            return
+        else:
+            self._write_joined(out)
+        if self._flush_waiters and not self.write_paused:
+            self._wake_flush_waiters()
+
+    def _write_joined(self, out: list) -> None:
         small: list = []
         for buf in out:
             if len(buf) < _JOIN_LIMIT if type(buf) is bytes else buf.nbytes < _JOIN_LIMIT:
@@ -198,6 +221,28 @@ class FramedConnection(asyncio.BufferedProtocol):
         if small:
             self.transport.write(b"".join(small) if len(small) > 1 else small[0])
 
+    async def wait_flushed(self) -> None:
+        """Wait until what is queued went to the transport and the transport is not paused
+        (its buffer is below its low-water mark). ConnectionError once the connection closed."""
+        while True:
+            if self.is_closed:
+                raise ConnectionError(f"connection to {self.peer} is closed")
+            if not self._out and not self.write_paused:
+                return
+            fut = self.loop.create_future()
+            if self._flush_waiters is None:
+                self._flush_waiters = [fut]
+            else:
+                self._flush_waiters.append(fut)
+            await fut
+
+    def _wake_flush_waiters(self) -> None:
+        waiters, self._flush_waiters = self._flush_waiters, None
+        if waiters:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
     def close(self, reason: BaseException | None = None) -> None:
         """Flush what is queued, then close."""
         if self.is_closed:
@@ -208,6 +253,7 @@ class FramedConnection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self._flush()
             self.transport.close()
+        self._wake_flush_waiters()
 
     def abort(self, reason: BaseException | None = None) -> None:
         """Close now, dropping what is queued."""
@@ -216,6 +262,7 @@ class FramedConnection(asyncio.BufferedProtocol):
         self.is_closed = True
         if self.transport is not None:
             self.transport.abort()
+        self._wake_flush_waiters()
 
     def protocol_error(self, e: RemoteProtocolError) -> None:
         """A fatal framing error: log the cause and close at once."""

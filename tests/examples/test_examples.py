@@ -135,3 +135,12 @@ def test_kv_service_says_how_to_make_the_pb2_module(env):
     r = run("kv_service.py", env=env)
     assert r.returncode == 1
     assert "kv_pb2 not found: generate it with grpc_tools.protoc" in r.stderr
+
+
+def test_ps_train_two_workers_two_shards(env):
+    r = run("ps_train.py", "--steps", "40", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "mode sync, 2 workers, 2 shards" and lines[1].split() == ["step", "worker0", "worker1"]
+    first, last = [list(map(float, line.split()[1:])) for line in (lines[2], lines[-1])]
+    assert lines[-1].split()[0] == "39" and all(b < a / 20 for a, b in zip(first, last)), r.stdout

@@ -28,6 +28,8 @@ class InteropEcho(aiobrpc.Servicer):
     def __init__(self) -> None:
         self.calls_served = 0
         self.executed: list[int] = []
+        self.stream_tasks: set = set()
+        self.streams: list = []  # every stream accepted, in order
 
     async def Echo(self, request, cntl):
         self.calls_served += 1
@@ -71,7 +73,25 @@ class InteropEcho(aiobrpc.Servicer):
         return resp
 
     async def StartStream(self, request, cntl):
-        raise aiobrpc.RpcError(aiobrpc.errors.EREQUEST, "streams are not supported yet")
+        """Accepts the streams the call offers (unless the request fails) and writes every
+        message back on the stream it came on, until the stream ends."""
+        if cntl.has_remote_stream and not request.HasField("fail_code"):
+            accepted = aiobrpc.Stream.accept(cntl)
+            for stream in accepted if isinstance(accepted, list) else [accepted]:
+                self.streams.append(stream)
+                task = asyncio.get_running_loop().create_task(echo_stream(stream))
+                self.stream_tasks.add(task)
+                task.add_done_callback(self.stream_tasks.discard)
+        return await self.Echo(request, cntl)
+
+
+async def echo_stream(stream) -> None:
+    """Write every message of `stream` back to it, until it ends (whichever way)."""
+    try:
+        async for message in stream:
+            await stream.write(message)
+    except aiobrpc.RpcError:
+        pass
 
 
 @contextlib.asynccontextmanager
@@ -87,4 +107,8 @@ async def running_echo(options: aiobrpc.ServerOptions | None = None, servicer: I
     finally:
         await server.stop()
         await server.join(timeout=2)
+        tasks = getattr(servicer, "stream_tasks", None)
+        if tasks:  # the streams ended with their connections: so do the echoes
+            await asyncio.wait(list(tasks), timeout=2)
     assert not server.connections
+    assert not getattr(servicer, "stream_tasks", None)

@@ -1,0 +1,289 @@
+"""brpc's streaming protocol, sans-IO (brpc's src/brpc/policy/streaming_rpc_protocol.cpp, stream.cpp).
+
+A stream is carried in STRM frames on the connection of the call that created it: the same
+12-byte header as PRPC (magic "STRM", body_size, meta_size), a `StreamFrameMeta`, and for
+DATA frames the message bytes. In every frame `stream_id` is the receiver's id and
+`source_stream_id` the sender's (absent in RST). Frame metas are encoded by hand, in the field
+order and with the fields C++ writes, so frames are byte-identical to brpc's:
+
+    DATA      1, 2, 3, 4 (has_continuation always written)   payload: message bytes
+    FEEDBACK  1, 2, 3, 5 {consumed_size}                      no payload
+    CLOSE     1, 2, 3                                         no payload
+    RST       1, 3                                            no payload
+
+>>> rst_frame(7).hex()
+'5354524d000000040000000408071801'
+>>> decode_frame_meta(bytes.fromhex("080110071802")).frame_type == CLOSE
+True
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from .._proto import brpc_streaming_pb2
+from ..errors import LocalProtocolError, RemoteProtocolError
+
+MAGIC = b"STRM"
+UNKNOWN, RST, CLOSE, DATA, FEEDBACK = 0, 1, 2, 3, 4
+FRAME_TYPE_NAMES = {UNKNOWN: "UNKNOWN", RST: "RST", CLOSE: "CLOSE", DATA: "DATA", FEEDBACK: "FEEDBACK"}
+INVALID_STREAM_ID = -1  # brpc's INVALID_STREAM_ID (all ones as uint64)
+DEFAULT_MAX_BUF_SIZE = 2 * 1024 * 1024
+DEFAULT_MESSAGES_IN_BATCH = 128
+# Messages larger than this go as several DATA frames (has_continuation), so that one large
+# message neither holds the connection against other streams and calls nor makes a frame
+# larger than a receiver's max_body_size. C++ brpc cuts at 512 MiB (-stream_write_max_segment_size);
+# every brpc that knows has_continuation reassembles whatever the cut.
+DEFAULT_MAX_SEGMENT_SIZE = 1024 * 1024
+
+_U64 = (1 << 64) - 1
+_SMALL_SEGMENT = 64 * 1024  # received into the shared block, not a buffer of its own
+_Settings = brpc_streaming_pb2.StreamSettings
+_FrameMeta = brpc_streaming_pb2.StreamFrameMeta
+
+
+def _varint(n: int) -> bytes:
+    n &= _U64  # int64: negative values are 10-byte varints, as protobuf writes them
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _header(body_size: int, meta_size: int) -> bytes:
+    return MAGIC + body_size.to_bytes(4, "big") + meta_size.to_bytes(4, "big")
+
+
+# -- frame metas --------------------------------------------------------------------------------
+
+def data_meta(stream_id: int, source_stream_id: int, has_continuation: bool = False) -> bytes:
+    """The StreamFrameMeta of a DATA frame."""
+    return (b"\x08" + _varint(stream_id) + b"\x10" + _varint(source_stream_id)
+            + (b"\x18\x03\x20\x01" if has_continuation else b"\x18\x03\x20\x00"))
+
+
+def feedback_meta(stream_id: int, source_stream_id: int, consumed_size: int) -> bytes:
+    fb = b"\x08" + _varint(consumed_size)
+    return (b"\x08" + _varint(stream_id) + b"\x10" + _varint(source_stream_id) + b"\x18\x04\x2a"
+            + _varint(len(fb)) + fb)
+
+
+def close_meta(stream_id: int, source_stream_id: int) -> bytes:
+    return b"\x08" + _varint(stream_id) + b"\x10" + _varint(source_stream_id) + b"\x18\x02"
+
+
+def rst_meta(stream_id: int) -> bytes:
+    return b"\x08" + _varint(stream_id) + b"\x18\x01"
+
+
+# -- whole frames ------------------------------------------------------------------------------
+
+def meta_only_frame(meta: bytes) -> bytes:
+    """A frame of `meta` and no payload (FEEDBACK, CLOSE, RST)."""
+    n = len(meta)
+    return _header(n, n) + meta
+
+
+def feedback_frame(stream_id: int, source_stream_id: int, consumed_size: int) -> bytes:
+    return meta_only_frame(feedback_meta(stream_id, source_stream_id, consumed_size))
+
+
+def close_frame(stream_id: int, source_stream_id: int) -> bytes:
+    return meta_only_frame(close_meta(stream_id, source_stream_id))
+
+
+def rst_frame(stream_id: int) -> bytes:
+    return meta_only_frame(rst_meta(stream_id))
+
+
+def data_head(meta: bytes, data_size: int) -> bytes:
+    """Header and meta of a DATA frame carrying `data_size` bytes."""
+    n = len(meta)
+    body = n + data_size
+    if body > 0xFFFFFFFF:
+        raise LocalProtocolError(f"a DATA frame of {data_size} bytes does not fit the 32-bit body_size")
+    return _header(body, n) + meta
+
+
+def data_frames(stream_id: int, source_stream_id: int, message,
+                max_segment_size: int = DEFAULT_MAX_SEGMENT_SIZE) -> list:
+    """The DATA frames of one message as a list of buffers: (head, payload view) per segment.
+
+    `message` is any C-contiguous buffer, referenced, never copied. Segments of
+    `max_segment_size` bytes carry has_continuation, the last one does not.
+    """
+    view = message_view(message)
+    return segments(view, view.nbytes, data_meta(stream_id, source_stream_id, False),
+                    data_meta(stream_id, source_stream_id, True), max_segment_size)
+
+
+def segments(view: memoryview, size: int, last_meta: bytes, more_meta: bytes, max_segment_size: int) -> list:
+    """`view` (of `size` bytes) cut into DATA frames: head, payload, head, payload, ..."""
+    if max_segment_size <= 0:
+        raise LocalProtocolError(f"max_segment_size must be > 0, got {max_segment_size}")
+    if size <= max_segment_size:
+        return [data_head(last_meta, size), view] if size else [data_head(last_meta, 0)]
+    out = []
+    more = data_head(more_meta, max_segment_size)
+    for start in range(0, size, max_segment_size):
+        end = start + max_segment_size
+        if end >= size:
+            out.append(data_head(last_meta, size - start))
+            out.append(view[start:])
+        else:
+            out.append(more)
+            out.append(view[start:end])
+    return out
+
+
+def message_view(message) -> memoryview:
+    """A flat byte view of any C-contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
+    try:
+        view = message if type(message) is memoryview else memoryview(message)
+    except TypeError:
+        raise TypeError(f"a stream message must be a buffer (bytes, bytearray, memoryview, "
+                        f"an array), got {type(message).__name__}") from None
+    if view.ndim != 1 or view.itemsize != 1 or view.format != "B":
+        if not view.c_contiguous:
+            raise ValueError("a stream message must be a C-contiguous buffer: send "
+                             "np.ascontiguousarray(a) for a strided array")
+        view = view.cast("B")
+    elif not view.c_contiguous:
+        raise ValueError("a stream message must be a C-contiguous buffer")
+    return view
+
+
+def wrap(stream_id: int, source_stream_id: int, bufs: list, nbytes: int) -> list:
+    """A PRPC frame (`bufs`, `nbytes` long) inside one STRM DATA frame: how a server answers a
+    call that offered streams."""
+    return [data_head(data_meta(stream_id, source_stream_id, False), nbytes), *bufs]
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+class FrameMeta:
+    """A decoded StreamFrameMeta. `source_stream_id` and `consumed_size` are None when absent;
+    `frame_type` is UNKNOWN (0) when absent or not one of brpc's (protobuf keeps an unknown
+    enum value as an unknown field)."""
+
+    __slots__ = ("stream_id", "source_stream_id", "frame_type", "has_continuation", "consumed_size")
+
+    def __init__(self, stream_id: int, source_stream_id, frame_type: int, has_continuation: bool,
+                 consumed_size) -> None:
+        self.stream_id = stream_id
+        self.source_stream_id = source_stream_id
+        self.frame_type = frame_type
+        self.has_continuation = has_continuation
+        self.consumed_size = consumed_size
+
+    def __repr__(self) -> str:
+        return (f"FrameMeta(stream_id={self.stream_id}, source_stream_id={self.source_stream_id}, "
+                f"{FRAME_TYPE_NAMES.get(self.frame_type, self.frame_type)}, "
+                f"has_continuation={self.has_continuation}, consumed_size={self.consumed_size})")
+
+
+def decode_frame_meta(buf) -> FrameMeta:
+    """Parse a StreamFrameMeta; RemoteProtocolError(fatal=False) when it is not one (only that
+    frame is bad: the framing around it held)."""
+    try:
+        m = _FrameMeta.FromString(buf)
+    except DecodeError as e:
+        raise RemoteProtocolError(f"unparsable StreamFrameMeta ({e})", fatal=False) from None
+    if not m.HasField("stream_id"):
+        raise RemoteProtocolError("StreamFrameMeta without its required stream_id", fatal=False)
+    ftype = m.frame_type if m.HasField("frame_type") else UNKNOWN
+    consumed = None
+    if m.HasField("feedback"):
+        consumed = m.feedback.consumed_size
+    return FrameMeta(m.stream_id, m.source_stream_id if m.HasField("source_stream_id") else None,
+                     ftype, m.has_continuation, consumed)
+
+
+# -- StreamSettings (RpcMeta field 8) --------------------------------------------------------------
+
+class Settings:
+    """A decoded StreamSettings: the sender's first stream id, the ids of its other streams,
+    whether it wants FEEDBACK (it has a finite window) and whether it reads (writable)."""
+
+    __slots__ = ("stream_id", "need_feedback", "writable", "extra_stream_ids")
+
+    def __init__(self, stream_id: int, need_feedback: bool, writable: bool, extra_stream_ids=()) -> None:
+        self.stream_id = stream_id
+        self.need_feedback = need_feedback
+        self.writable = writable
+        self.extra_stream_ids = list(extra_stream_ids)
+
+    @property
+    def stream_ids(self) -> list:
+        return [self.stream_id, *self.extra_stream_ids]
+
+    def __repr__(self) -> str:
+        return (f"Settings(stream_id={self.stream_id}, need_feedback={self.need_feedback}, "
+                f"writable={self.writable}, extra_stream_ids={self.extra_stream_ids})")
+
+
+def encode_settings(stream_id: int, need_feedback: bool, writable: bool, extra_stream_ids=()) -> bytes:
+    """StreamSettings as C++ writes it: fields 1, 2, 3 always, then one field 4 per extra id."""
+    out = (b"\x08" + _varint(stream_id) + (b"\x10\x01" if need_feedback else b"\x10\x00")
+           + (b"\x18\x01" if writable else b"\x18\x00"))
+    for sid in extra_stream_ids:
+        out += b"\x20" + _varint(sid)
+    return out
+
+
+def decode_settings(buf) -> Settings:
+    """Parse StreamSettings; RemoteProtocolError(fatal=False) when it is not one."""
+    try:
+        s = _Settings.FromString(bytes(buf))
+    except DecodeError as e:
+        raise RemoteProtocolError(f"unparsable StreamSettings ({e})", fatal=False) from None
+    if not s.HasField("stream_id"):
+        raise RemoteProtocolError("StreamSettings without its required stream_id", fatal=False)
+    return Settings(s.stream_id, s.need_feedback, s.writable, s.extra_stream_ids)
+
+
+class Reassembly:
+    """The segments of one message received so far on one stream, capped at `max_size` bytes.
+
+    `add(payload, has_continuation)` returns the whole message when it is complete, else None;
+    RemoteProtocolError(fatal=False) once the message would pass `max_size` (the buffered
+    segments are dropped then).
+    """
+
+    __slots__ = ("parts", "size", "max_size")
+
+    def __init__(self, max_size: int) -> None:
+        self.parts: list = []
+        self.size = 0
+        self.max_size = max_size
+
+    def add(self, payload, has_continuation: bool):
+        parts = self.parts
+        if not parts and not has_continuation:
+            return payload
+        n = len(payload)
+        size = self.size + n
+        if size > self.max_size:
+            self.clear()
+            raise RemoteProtocolError(f"a stream message passed max_body_size={self.max_size} "
+                                      f"({size} bytes received of it so far)", fatal=False)
+        if n > _SMALL_SEGMENT:
+            parts.append(payload)
+        elif parts and type(parts[-1]) is bytearray:
+            parts[-1] += payload  # tiny segments cost their bytes, not an object (or a receive block) each
+        else:
+            parts.append(bytearray(payload))
+        self.size = size
+        if has_continuation:
+            return None
+        message = memoryview(b"".join(parts))
+        self.clear()
+        return message
+
+    def clear(self) -> None:
+        self.parts = []
+        self.size = 0

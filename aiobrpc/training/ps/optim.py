@@ -1,0 +1,135 @@
+"""What a server does with the gradients of one step: add them, or an SGD or Adam step.
+
+Each rule updates a key's value in place, whole or a set of distinct rows (axis 0), and keeps
+its own state per key (Adam's moments and step counts, per row so that rows pushed at
+different rates are corrected by their own counts, as torch's SparseAdam does).
+
+>>> import numpy as np
+>>> w = np.ones(3, np.float32)
+>>> rule = SGD(lr=0.5)
+>>> rule.apply(w, np.array([2, 0, -2], np.float32), rule.new_state(w))
+>>> w.tolist()
+[0.0, 1.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SGD", "Adam", "Optimizer", "Sum"]
+
+
+def _check_number(name: str, v: Any, *, low: float, high: float = math.inf, open_low: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+            v < low or (open_low and v == low) or v >= high:
+        bound = f"> {low}" if open_low else f">= {low}"
+        raise ValueError(f"{name} must be a finite number {bound}" + (f" and < {high}" if high != math.inf else "")
+                         + f", got {v!r}")
+    return float(v)
+
+
+class Optimizer:
+    """The update rule of a parameter server. Subclasses: `Sum`, `SGD`, `Adam`."""
+
+    state_copies = 0  # arrays of a key's size in its state (for the server's max_bytes)
+
+    def new_state(self, value: np.ndarray) -> Any:
+        """The state this rule keeps for a key holding `value`."""
+        return None
+
+    def apply(self, value: np.ndarray, grad: np.ndarray, state: Any, rows: np.ndarray | None = None) -> None:
+        """Update `value` (or its `rows`, distinct int64 ids) in place with `grad`."""
+        raise NotImplementedError
+
+
+class Sum(Optimizer):
+    """value += pushed (ps-lite's default server: workers push deltas)."""
+
+    def apply(self, value, grad, state, rows=None):
+        if rows is None:
+            value += grad
+        else:
+            value[rows] += grad
+
+    def __repr__(self) -> str:
+        return "Sum()"
+
+
+_CHUNK = 1 << 16  # elements: a scratch that stays in cache
+
+
+def _sub_scaled(value: np.ndarray, grad: np.ndarray, alpha: float) -> None:
+    """value -= alpha * grad, in place, through a small scratch instead of a full-size temporary
+    (whose allocation and page faults cost more than the arithmetic for a large key)."""
+    v, g = value.reshape(-1), grad.reshape(-1)
+    a = value.dtype.type(alpha)
+    if v.size <= _CHUNK:
+        v -= g * a
+        return
+    scratch = np.empty(_CHUNK, value.dtype)
+    for i in range(0, v.size, _CHUNK):
+        n = min(_CHUNK, v.size - i)
+        np.multiply(g[i:i + n], a, out=scratch[:n])
+        np.subtract(v[i:i + n], scratch[:n], out=v[i:i + n])
+
+
+class SGD(Optimizer):
+    """value -= lr * gradient."""
+
+    def __init__(self, lr: float = 0.01) -> None:
+        self.lr = _check_number("lr", lr, low=0.0, open_low=True)
+
+    def apply(self, value, grad, state, rows=None):
+        if rows is None:
+            _sub_scaled(value, grad, self.lr)
+        else:
+            value[rows] -= grad * value.dtype.type(self.lr)
+
+    def __repr__(self) -> str:
+        return f"SGD(lr={self.lr})"
+
+
+class Adam(Optimizer):
+    """Adam (Kingma & Ba), torch.optim.Adam's defaults; bias correction by each row's own count."""
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.lr = _check_number("lr", lr, low=0.0, open_low=True)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        self.beta1 = _check_number("betas[0]", betas[0], low=0.0, high=1.0)
+        self.beta2 = _check_number("betas[1]", betas[1], low=0.0, high=1.0)
+        self.eps = _check_number("eps", eps, low=0.0, open_low=True)
+
+    state_copies = 2
+
+    def new_state(self, value):
+        counts = np.zeros(value.shape[:1], np.int64)  # per row; () for a scalar
+        return np.zeros_like(value), np.zeros_like(value), counts
+
+    def apply(self, value, grad, state, rows=None):
+        m_all, v_all, counts = state
+        if rows is None:
+            counts += 1
+            m, v, t = m_all, v_all, counts
+        else:
+            counts[rows] += 1
+            m, v, t = m_all[rows], v_all[rows], counts[rows]
+        m *= self.beta1
+        m += (1 - self.beta1) * grad
+        v *= self.beta2
+        v += (1 - self.beta2) * np.square(grad)
+        t = t.reshape(t.shape + (1,) * (value.ndim - t.ndim)).astype(value.dtype)
+        m_hat = m / (1 - self.beta1 ** t)
+        v_hat = v / (1 - self.beta2 ** t)
+        step = self.lr * m_hat / (np.sqrt(v_hat) + self.eps)
+        if rows is None:
+            value -= step.astype(value.dtype, copy=False)
+        else:
+            m_all[rows], v_all[rows] = m, v
+            value[rows] -= step.astype(value.dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"Adam(lr={self.lr}, betas=({self.beta1}, {self.beta2}), eps={self.eps})"

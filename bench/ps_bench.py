@@ -1,0 +1,181 @@
+"""Parameter server: pushes and pulls per second of aiobrpc.training.ps against the same server written
+on torch.distributed.rpc (TensorPipe), the same model, in the same two processes, one run.
+
+    python bench/ps_bench.py                # ~40 s; needs torch (the 'train' extra)
+    python bench/ps_bench.py --seconds 0.5  # quicker, rougher
+
+Two processes on 127.0.0.1: this one is the worker; it spawns the server process, which joins
+torch.distributed.rpc as "ps" (rank 0) and also serves aiobrpc.training.ps's ParameterServer. Both
+servers hold the same keys and take the same SGD step (w -= lr * g) on each push; both pull
+answers carry every key. The worker alternates: torch rpc_sync(push), rpc_sync(pull), then
+aiobrpc.training.ps PsWorker.push, PsWorker.pull (async mode, uvloop), one call at a time (closed loop),
+for each model:
+
+  16 B     one key of 4 float32           (call rate)
+  1 MiB    16 keys of 64 KiB              (many tensors in one call)
+  16 MiB   one key of 4 Mi float32        (bandwidth)
+
+Printed per model and operation: calls/s and MB/s (10^6 bytes of tensors one way) of each, and
+the ratio aiobrpc.training.ps / torch rpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+MODELS = {"16 B": (1, 4), "1 MiB": (16, 16384), "16 MiB": (1, 4 << 20)}  # keys, float32 each
+LR = 1e-6
+
+# -- the torch.distributed.rpc parameter server (runs in the server process) -----------------
+
+_torch_params: dict = {}
+_torch_lock = threading.Lock()
+
+
+def torch_init(params: dict) -> None:
+    with _torch_lock:
+        _torch_params.clear()
+        _torch_params.update(params)
+
+
+def torch_push(grads: dict) -> None:
+    with _torch_lock:  # rpc runs functions on a thread pool
+        for k, g in grads.items():
+            _torch_params[k].sub_(g, alpha=LR)
+
+
+def torch_pull() -> dict:
+    with _torch_lock:
+        return {k: v.clone() for k, v in _torch_params.items()}
+
+
+# -- processes --------------------------------------------------------------------------------
+
+def rpc_options(master_port: int):
+    from torch.distributed import rpc
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{master_port}", rpc_timeout=60)
+
+
+def server(master_port: int) -> None:
+    from torch.distributed import rpc
+
+    import aiobrpc
+    from aiobrpc.training.ps import SGD, ParameterServer
+
+    rpc.init_rpc("ps", rank=0, world_size=2, rpc_backend_options=rpc_options(master_port))
+
+    async def serve():
+        srv = aiobrpc.Server(aiobrpc.ServerOptions(max_body_size=1 << 30))
+        srv.add_service(ParameterServer(1, mode="async", optimizer=SGD(lr=LR)))
+        await srv.start("127.0.0.1:0")
+        print(f"listening on {srv.address}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the worker closes it
+        await srv.stop()
+        await srv.join(5)
+
+    asyncio.set_event_loop_policy(aiobrpc.event_loop_policy())
+    asyncio.run(serve())
+    rpc.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rate(call, seconds: float) -> tuple[float, int]:
+    for _ in range(3):
+        call()  # warm up
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        call()
+        n += 1
+    return n / elapsed, n
+
+
+async def arate(call, seconds: float) -> tuple[float, int]:
+    for _ in range(3):
+        await call()
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        await call()
+        n += 1
+    return n / elapsed, n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=2.0, help="measurement time of each cell")
+    p.add_argument("--role", choices=("worker", "server"), default="worker", help=argparse.SUPPRESS)
+    p.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    try:
+        import torch
+        from torch.distributed import rpc
+    except ImportError:
+        raise SystemExit("ps_bench needs torch (pip install -e '.[train]')") from None
+    if args.role == "server":
+        return server(args.master_port)
+
+    import aiobrpc
+    from aiobrpc.training.ps import PsWorker
+
+    master_port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--role", "server", "--master-port", str(master_port)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rows = []
+    try:
+        rpc.init_rpc("worker", rank=1, world_size=2, rpc_backend_options=rpc_options(master_port))
+        m = re.fullmatch(r"listening on (\S+)\n", proc.stdout.readline())
+        if not m:
+            raise SystemExit("the server process did not start")
+        address = m.group(1)
+
+        async def ours(params, grads, seconds):
+            async with PsWorker([address], 0, timeout_s=60, max_body_size=1 << 30) as w:
+                await w.init(params)
+                push = await arate(lambda: w.push(grads), seconds)
+                pull = await arate(lambda: w.pull(), seconds)
+            return push, pull
+
+        asyncio.set_event_loop_policy(aiobrpc.event_loop_policy())
+        for model, (nkeys, size) in MODELS.items():
+            params = {f"layer{i}": torch.zeros(size) for i in range(nkeys)}
+            grads = {k: torch.ones(size) for k in params}
+            nbytes = nkeys * size * 4
+            rpc.rpc_sync("ps", torch_init, args=(params,))
+            t_push = rate(lambda: rpc.rpc_sync("ps", torch_push, args=(grads,)), args.seconds)
+            t_pull = rate(lambda: rpc.rpc_sync("ps", torch_pull), args.seconds)
+            # Keys of their own per model: a server keeps what it was given (first init wins).
+            o_params = {f"{model}/{k}": v.numpy() for k, v in params.items()}
+            o_grads = {f"{model}/{k}": v.numpy() for k, v in grads.items()}
+            o_push, o_pull = asyncio.run(ours(o_params, o_grads, args.seconds))
+            for op, t, o in (("push", t_push, o_push), ("pull", t_pull, o_pull)):
+                rows.append((model, op, t[0], t[0] * nbytes / 1e6, o[0], o[0] * nbytes / 1e6, o[0] / t[0]))
+    finally:
+        proc.stdin.close()
+        if rpc.api._is_current_rpc_agent_set():
+            rpc.shutdown()
+        proc.wait(60)
+
+    print(f"aiobrpc.training.ps vs torch.distributed.rpc (TensorPipe), {aiobrpc.implementation()} twins, "
+          f"{args.seconds:g} s per cell, cpus={os.cpu_count()}")
+    print("| model | op | torch rpc calls/s | torch rpc MB/s | aiobrpc.training.ps calls/s | aiobrpc.training.ps MB/s | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for model, op, tc, tm, oc, om, ratio in rows:
+        print(f"| {model} | {op} | {tc:,.0f} | {tm:,.1f} | {oc:,.0f} | {om:,.1f} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
