@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 OUT_DIR = ROOT / "aiobrpc" / "_proto"
 SOURCES = ["brpc_options.proto", "brpc_streaming.proto", "brpc_meta.proto", "echo.proto", "interop.proto",
-           "tensor.proto", "ps.proto"]
+           "tensor.proto", "ps.proto", "collective.proto"]
 
 
 def generate(out: pathlib.Path) -> None:

@@ -1,0 +1,477 @@
+"""A group of N processes running ring collectives over aiobrpc calls.
+
+Each rank runs a `Server` with the `aiobrpc.collective.Collective` service and calls its right
+neighbour's: one `Segment` call per piece of tensor, the piece in the attachment (a view of the
+tensor, never copied on send). At most `window` calls are in flight per collective. Collectives
+run one at a time in the order they are called, which must be the same on every rank (as with
+torch.distributed); each is numbered, and a segment that arrives before its collective has
+started here waits for it.
+
+Failure: a call to a rank that fails at the transport level (refused, reset, timed out) names
+that rank, breaks the group and tells every other rank (`Abort`), so their collectives fail at
+once with the same error. A collective that has not completed shortly before its timeout asks
+every rank for its state (`Status`) and fails at the timeout naming the ranks that did not
+answer or had not started it. A broken group raises its error from every later collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from typing import Any
+
+import numpy as np
+
+from ..client.channel import Channel
+from ..controller import Controller
+from ..errors import RpcError
+from ..options import ChannelOptions, ServerOptions
+from ..server.server import Server
+from ..stub import Servicer, Stub
+from ..tensor import DTYPE_NAMES, raw_array
+from .._proto import collective_pb2 as pb
+from . import ops
+from .errors import CollectiveError, CollectiveTimeout
+from .reduce import ReduceOp, reduce_op
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Collective"]
+_DTYPE_NAME = {code: name for name, code in DTYPE_NAMES.items()}
+# Control calls (Abort, Status) are short; a rank that does not answer one within this is hung.
+CONTROL_TIMEOUT_S = 2.0
+CLOSE_DRAIN_S = 1.0
+
+
+class _Flight:
+    """A collective in progress: its state machine, calls in flight, segments waiting to go."""
+
+    __slots__ = ("op", "seq", "future", "inflight", "queue", "group")
+
+    def __init__(self, group: Group, op: ops.RingOp, seq: int) -> None:
+        self.group = group
+        self.op = op
+        self.seq = seq
+        self.future: asyncio.Future = group._loop.create_future()  # type: ignore[union-attr]
+        self.inflight = 0
+        self.queue: list = []
+
+    def emit(self, step: int, segment: int, data: np.ndarray) -> None:
+        self.queue.append((step, segment, data))
+        self.group._pump(self)
+
+    def describe(self) -> str:
+        op = self.op
+        return f"{op.name} #{self.seq} ({op.numel} {_DTYPE_NAME.get(op.code, '?')})"
+
+
+class Group:
+    """One rank of a group of `world_size` processes that run collectives together.
+
+    Make one with `await Group.create(store, rank, world_size)` on each process (or use
+    `GroupThread` from synchronous code); the ranks find each other through `store`
+    (`FileStore`, or any torch store). Tensors are numpy arrays or torch CPU tensors,
+    C-contiguous; collectives change them in place where torch's do.
+
+    Args:
+        rank: This process's rank, 0 <= rank < world_size.
+        world_size: Processes in the group.
+        timeout: Seconds a collective may take before it fails with CollectiveTimeout.
+        segment_bytes: The most bytes one call carries; a tensor travels in pieces this size
+            so that sending, receiving and reducing overlap.
+        window: Calls in flight to the right neighbour at once.
+
+    >>> group = await Group.create(FileStore("/tmp/rdv"), rank, 4)  # doctest: +SKIP
+    >>> await group.all_reduce(grads)            # summed over the 4 ranks, in place  # doctest: +SKIP
+    >>> await group.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, rank: int, world_size: int, *, timeout: float = 300.0,
+                 segment_bytes: int = 2 << 20, window: int = 4) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(segment_bytes, int) or segment_bytes < 8:
+            raise ValueError(f"segment_bytes must be an int >= 8, got {segment_bytes!r}")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.segment_bytes = segment_bytes
+        self.window = window
+        self.id = ""
+        self.addresses: list[str] = []
+        self.ops_started = 0
+        self.ops_finished = 0
+        self._next_seq = 1
+        self._tail: asyncio.Future | None = None
+        self._current: _Flight | None = None
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._broken: CollectiveError | None = None
+        self._closed = False
+        self._server: Server | None = None
+        self._stubs: dict[int, Stub] = {}
+        self._channels: list[Channel] = []
+        self._background: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- setup ---------------------------------------------------------------------------------
+    @classmethod
+    async def create(cls, store: Any, rank: int, world_size: int, *, host: str = "127.0.0.1",
+                     prefix: str = "aiobrpc", **options: Any) -> Group:
+        """Start this rank's server on `host` (an ephemeral port), publish its address in
+        `store` under `prefix` and wait for every other rank's. Blocking store calls run in
+        the loop's default executor."""
+        group = cls(rank, world_size, **options)
+        await group._start(store, host, prefix)
+        return group
+
+    async def _start(self, store: Any, host: str, prefix: str) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        segment_max = self.segment_bytes * 2 + (1 << 16)  # float32 pieces of a half-precision tensor
+        self._server = Server(ServerOptions(max_body_size=max(segment_max, 64 << 20)))
+        self._server.add_service(_CollectiveServicer(self))
+        await self._server.start(f"{host}:0")
+        try:
+            if self.rank == 0:
+                self.id = secrets.token_hex(8)
+                await loop.run_in_executor(None, store.set, f"{prefix}/group", self.id.encode())
+            else:
+                self.id = _text(await loop.run_in_executor(None, store.get, f"{prefix}/group"))
+            await loop.run_in_executor(None, store.set, f"{prefix}/rank/{self.rank}", self._server.address.encode())
+            for r in range(self.world_size):
+                self.addresses.append(_text(await loop.run_in_executor(None, store.get, f"{prefix}/rank/{r}")))
+        except BaseException:
+            await self._server.stop()
+            await self._server.join(timeout=1)
+            raise
+
+    def _stub(self, rank: int) -> Stub:
+        stub = self._stubs.get(rank)
+        if stub is None:
+            ch = Channel(self.addresses[rank], ChannelOptions(
+                timeout_ms=int(self.timeout * 1000) + 1000, connect_timeout_ms=5000, max_retry=0,
+                max_body_size=64 << 20, retry_throttle=None))
+            self._channels.append(ch)
+            stub = self._stubs[rank] = Stub(ch, SERVICE)
+        return stub
+
+    async def close(self) -> None:
+        """Stop this rank's server and connections; a collective still running fails."""
+        if self._closed:
+            return
+        self._closed = True
+        healthy = self._broken is None
+        self._fail(CollectiveError(f"the group was closed on rank {self.rank}"), tell_peers=False)
+        if self._background:  # an Abort still on its way to a peer is worth a short wait
+            await asyncio.wait(list(self._background), timeout=CONTROL_TIMEOUT_S)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for ch in self._channels:
+            await ch.close()
+        if self._server is not None:
+            # Ranks close together after their last collective: waiting a moment for the left
+            # neighbour to close its connection first spares it a "server lost" warning.
+            end = self._loop.time() + (CLOSE_DRAIN_S if healthy else 0.0)
+            while self._server.connections and self._loop.time() < end:
+                await asyncio.sleep(0.01)
+            await self._server.stop()
+            await self._server.join(timeout=1 if healthy else 0.1)
+
+    async def __aenter__(self) -> Group:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    @property
+    def broken(self) -> CollectiveError | None:
+        """The error that broke the group, or None while it works."""
+        return self._broken
+
+    # -- collectives ---------------------------------------------------------------------------
+    # Each returns an awaitable (a Task) and takes its number in the group when called, not
+    # when awaited: the order of the calls is the order on the wire, whoever awaits when.
+    def all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> asyncio.Future[None]:
+        """Combine `tensor` over the ranks with `op` (SUM, AVG, MAX, MIN), in place on every
+        rank. float16/bfloat16 are accumulated in float32 and rounded once."""
+        code, raw = raw_array(tensor)
+        return self._enqueue(ops.AllReduce(self.rank, self.world_size, code, raw, reduce_op(op),
+                                           self._elems(raw, wide=True)))
+
+    def reduce_scatter(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM) -> asyncio.Future[np.ndarray]:
+        """Combine `tensor` over the ranks; the result is this rank's part: chunk `rank` of the
+        flattened tensor cut into `world_size` chunks whose sizes differ by at most one element
+        (numpy.array_split's), a numpy array in the tensor's wire dtype (bfloat16 as its uint16
+        bits). `tensor` is not changed."""
+        code, raw = raw_array(tensor)
+        op_ = ops.ReduceScatter(self.rank, self.world_size, code, raw, reduce_op(op),
+                                self._elems(raw, wide=True))
+        return self._enqueue(op_, op_.result)
+
+    def all_gather(self, tensor: Any, out: Any = None) -> asyncio.Future[Any]:
+        """Every rank's `tensor` (same shape and dtype on all) in rank order; the result is
+        `out` (C-contiguous, world_size times as many elements, same dtype) or a new numpy
+        array of shape (world_size, *tensor.shape)."""
+        code, raw = raw_array(tensor)
+        if out is None:
+            out = np.empty((self.world_size, *tensor.shape), raw.dtype)
+        ocode, oraw = raw_array(out, what="all_gather output")
+        if ocode != code:
+            raise ValueError("all_gather output has another dtype than the tensor")
+        return self._enqueue(ops.AllGather(self.rank, self.world_size, code, raw, oraw,
+                                           self._elems(raw, wide=False)), lambda: out)
+
+    def broadcast(self, tensor: Any, root: int = 0) -> asyncio.Future[None]:
+        """`tensor` of rank `root` copied into `tensor` on every other rank."""
+        if not isinstance(root, int) or not 0 <= root < self.world_size:
+            raise ValueError(f"root must be a rank in 0..{self.world_size - 1}, got {root!r}")
+        code, raw = raw_array(tensor)
+        return self._enqueue(ops.Broadcast(self.rank, self.world_size, code, raw, root,
+                                           self._elems(raw, wide=False)))
+
+    def barrier(self) -> asyncio.Future[None]:
+        """Done once every rank has called barrier."""
+        return self._enqueue(ops.Barrier(self.rank, self.world_size, 1))
+
+    def _elems(self, raw: np.ndarray, wide: bool) -> int:
+        return max(1, self.segment_bytes // (max(raw.itemsize, 4) if wide else raw.itemsize))
+
+    def _enqueue(self, op: ops.RingOp, result: Any = None) -> asyncio.Future:
+        if self._loop is None:
+            raise RuntimeError("the group is not started: make it with `await Group.create(...)`")
+        if self._broken is not None:
+            raise self._broken
+        flight = _Flight(self, op, self._next_seq)
+        self._next_seq += 1
+        op.emit = flight.emit
+        prev, self._tail = self._tail, self._loop.create_future()
+        return self._loop.create_task(self._run(flight, prev, self._tail, result))
+
+    async def _run(self, flight: _Flight, prev: asyncio.Future | None, done: asyncio.Future,
+                   result: Any) -> Any:
+        seq = flight.seq
+        timer = None
+        try:
+            if prev is not None:
+                await asyncio.shield(prev)
+            if self._broken is not None:
+                raise self._broken
+            self._current = flight
+            self.ops_started = seq
+            waiter = self._waiters.pop(seq, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(flight)
+            timer = self._loop.call_later(max(0.0, self.timeout - _probe_time(self.timeout)),
+                                          lambda: self._spawn(self._diagnose(flight)))
+            flight.op.start()
+            self._check_done(flight)
+            await flight.future
+            self.ops_finished = seq
+            return result() if result is not None else None
+        except asyncio.CancelledError:
+            self._fail(CollectiveError(f"{flight.describe()} was cancelled on rank {self.rank}", (self.rank,)))
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self._current is flight:
+                self._current = None
+            done.set_result(None)
+
+    # -- sending -------------------------------------------------------------------------------
+    def _pump(self, flight: _Flight) -> None:
+        if flight.future.done():
+            return
+        right = (self.rank + 1) % self.world_size
+        stub = self._stub(right)
+        op = flight.op
+        remaining_ms = int(self.timeout * 1000) + 1000  # the collective's own timer fires first
+        while flight.queue and flight.inflight < self.window:
+            step, segment, data = flight.queue.pop(0)
+            req = pb.SegmentRequest(group=self.id, op=flight.seq, src=self.rank, kind=op.kind, dtype=op.code,
+                                    numel=op.numel, step=step, segment=segment)
+            cntl = Controller(request_attachment=data, timeout_ms=remaining_ms, max_retry=0)
+            flight.inflight += 1
+            task = self._loop.create_task(stub.Segment(req, cntl))
+            task.add_done_callback(lambda t, f=flight: self._sent(f, t))
+
+    def _sent(self, flight: _Flight, task: asyncio.Task) -> None:
+        flight.inflight -= 1
+        if flight.future.done() or task.cancelled():
+            return
+        right = (self.rank + 1) % self.world_size
+        exc = task.exception()
+        if exc is not None:
+            why = exc.text if isinstance(exc, RpcError) else repr(exc)
+            code = f"[E{exc.code}]" if isinstance(exc, RpcError) else ""
+            self._fail(CollectiveError(f"{flight.describe()} failed on rank {self.rank}: rank {right} "
+                                       f"({self.addresses[right]}) did not take a segment: {code}{why}",
+                                       (right,)))
+            return
+        ack = task.result()
+        if ack.error:
+            self._fail(CollectiveError(ack.error, tuple(ack.ranks)))
+            return
+        self._pump(flight)
+        self._check_done(flight)
+
+    def _check_done(self, flight: _Flight) -> None:
+        if flight.op.complete and not flight.inflight and not flight.queue and not flight.future.done():
+            flight.future.set_result(None)
+
+    # -- receiving -----------------------------------------------------------------------------
+    async def _flight_for(self, seq: int) -> _Flight | str:
+        """The running collective number `seq`, waiting for it to start; or why not."""
+        cur = self._current
+        if cur is not None and cur.seq == seq:
+            return cur
+        if self._broken is not None:
+            return str(self._broken)
+        if seq <= self.ops_started:
+            return f"rank {self.rank} has already finished collective #{seq}"
+        waiter = self._waiters.get(seq)
+        if waiter is None:
+            waiter = self._waiters[seq] = self._loop.create_future()
+        try:
+            flight = await asyncio.wait_for(asyncio.shield(waiter), self.timeout)
+        except asyncio.TimeoutError:
+            return f"rank {self.rank} did not start collective #{seq} within {self.timeout:g} s"
+        return flight if flight is not None else str(self._broken)
+
+    def segment_received(self, req: pb.SegmentRequest, flight: _Flight, attachment: Any) -> pb.Ack:
+        op = flight.op
+        if (req.kind, req.dtype, req.numel) != (op.kind, op.code, op.numel):
+            theirs = f"{ops.KIND_NAMES.get(req.kind, '?')} of {req.numel} {_DTYPE_NAME.get(req.dtype, '?')}"
+            err = CollectiveError(f"collective #{flight.seq} differs between ranks: rank {req.src} runs "
+                                  f"{theirs}, rank {self.rank} runs {flight.describe()}; every rank must "
+                                  f"call the same collectives in the same order", (req.src, self.rank))
+        else:
+            try:
+                op.receive(req.step, req.segment, attachment)
+                self._check_done(flight)
+                return pb.Ack()
+            except ValueError as e:
+                err = CollectiveError(f"{flight.describe()}: rank {self.rank} cannot take a segment from "
+                                      f"rank {req.src}: {e}", (req.src,))
+        self._fail(err)
+        return pb.Ack(error=str(err), ranks=err.ranks)
+
+    # -- failure -------------------------------------------------------------------------------
+    def _fail(self, err: CollectiveError, tell_peers: bool = True) -> None:
+        """Break the group with `err` (the first error wins) and end what waits on it."""
+        if self._broken is not None:
+            return
+        self._broken = err
+        cur = self._current
+        if cur is not None and not cur.future.done():
+            cur.future.set_exception(err)
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_result(None)  # the handler waiting reads the error from the group
+        self._waiters.clear()
+        if tell_peers and self.addresses:
+            seq = cur.seq if cur is not None else self.ops_started
+            for r in range(self.world_size):
+                if r != self.rank and r not in err.ranks:
+                    req = pb.AbortRequest(group=self.id, src=self.rank, op=seq, ranks=err.ranks, reason=str(err))
+                    self._spawn(self._tell(r, req))
+
+    async def _tell(self, rank: int, req: pb.AbortRequest) -> None:
+        with contextlib.suppress(RpcError):
+            await self._stub(rank).Abort(req, Controller(timeout_ms=int(CONTROL_TIMEOUT_S * 1000)))
+
+    def aborted_by(self, req: pb.AbortRequest) -> None:
+        self._fail(CollectiveError(f"{req.reason} (reported to rank {self.rank} by rank {req.src})",
+                                   tuple(req.ranks)), tell_peers=False)
+
+    async def _diagnose(self, flight: _Flight) -> None:
+        """Shortly before the timeout: ask every rank where it is, then fail naming the culprits."""
+        probe = _probe_time(self.timeout)
+        peers = [r for r in range(self.world_size) if r != self.rank]
+
+        async def status(r: int):
+            cntl = Controller(timeout_ms=max(1, int(probe * 800)))
+            try:
+                return await self._stub(r).Status(pb.StatusRequest(group=self.id), cntl)
+            except RpcError as e:
+                return e
+
+        answers = await asyncio.gather(*(status(r) for r in peers))
+        if flight.future.done():
+            return
+        blamed, notes = [], []
+        for r, a in zip(peers, answers):
+            if isinstance(a, RpcError):
+                blamed.append(r)
+                notes.append(f"rank {r} ({self.addresses[r]}) did not answer: [E{a.code}]{a.text}")
+            elif a.ops_started < flight.seq:
+                blamed.append(r)
+                notes.append(f"rank {r} has not started it (it has started {a.ops_started} collectives)")
+        if not notes:
+            left = (self.rank - 1) % self.world_size
+            notes.append(f"every rank answers and has started it: rank {left} or a rank before it in "
+                         f"the ring is too slow or stuck")
+        op = flight.op
+        self._fail(CollectiveTimeout(
+            f"{flight.describe()} timed out after {self.timeout:g} s on rank {self.rank} "
+            f"({op.received} of {op.expected} segments received): " + "; ".join(notes), tuple(blamed)),
+            tell_peers=False)
+
+    def _spawn(self, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "ok"
+        return f"<Group rank {self.rank}/{self.world_size} {state} {self.ops_finished} collectives>"
+
+
+class _CollectiveServicer(Servicer):
+    SERVICE = SERVICE
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    async def Segment(self, req: pb.SegmentRequest, cntl: Controller) -> pb.Ack:
+        g = self.group
+        if req.group != g.id:
+            return pb.Ack(error=f"rank {g.rank} is in group {g.id}, not {req.group}: a stale or "
+                                f"foreign rank sent to it")
+        flight = await g._flight_for(req.op)
+        if isinstance(flight, str):
+            return pb.Ack(error=flight, ranks=_ranks_of(g, flight))
+        return g.segment_received(req, flight, cntl.request_attachment)
+
+    async def Abort(self, req: pb.AbortRequest, cntl: Controller) -> pb.Ack:
+        if req.group == self.group.id:
+            self.group.aborted_by(req)
+        return pb.Ack()
+
+    async def Status(self, req: pb.StatusRequest, cntl: Controller) -> pb.StatusResponse:
+        g = self.group
+        return pb.StatusResponse(rank=g.rank, ops_started=g.ops_started, ops_finished=g.ops_finished)
+
+
+def _ranks_of(group: Group, why: str) -> tuple[int, ...]:
+    broken = group.broken
+    if broken is not None and str(broken) == why:
+        return broken.ranks
+    return (group.rank,)
+
+
+def _probe_time(timeout: float) -> float:
+    """Seconds before the timeout when a collective starts asking the ranks for their state."""
+    return min(CONTROL_TIMEOUT_S, timeout / 4)
+
+
+def _text(value: Any) -> str:
+    return bytes(value).decode() if not isinstance(value, str) else value

@@ -1,0 +1,102 @@
+"""One rank of a test group. argv: scenario rank world store_dir; the twin and the loop come
+from the environment (AIOBRPC_NO_EXTENSIONS, AIOBRPC_TEST_LOOP), as the parent test runs.
+
+check: every collective against numpy, over sizes that do not divide evenly; prints "ok".
+loop: all_reduce until one fails; prints {"error": ..., "ranks": [...], "after_s": ...} (the
+test kills or stops one rank meanwhile).
+"""
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.environ.get("AIOBRPC_REPO", "."))
+from aiobrpc.training import CollectiveError, FileStore, GroupThread, ReduceOp  # noqa: E402
+
+SIZES = [0, 1, 7, 1001, 20_011]
+
+
+def loop_factory():
+    if os.environ.get("AIOBRPC_TEST_LOOP") == "asyncio":
+        return asyncio.new_event_loop()
+    import uvloop
+    return uvloop.new_event_loop()
+
+
+def inputs(world: int, numel: int, dtype: str) -> list[np.ndarray]:
+    out = []
+    for r in range(world):
+        g = np.random.default_rng(1000 * r + numel)
+        if dtype in ("float16", "float32", "float64"):
+            out.append((g.standard_normal(numel) * 10).astype(dtype))
+        else:
+            out.append(g.integers(-100, 100, numel).astype(dtype))
+    return out
+
+
+def check(g: GroupThread) -> None:
+    rank, world = g.rank, g.world_size
+    for numel in SIZES:
+        for dtype, op, reduce in [("float32", ReduceOp.SUM, np.sum), ("float64", ReduceOp.AVG, np.mean),
+                                  ("int32", ReduceOp.MAX, np.max), ("int64", ReduceOp.MIN, np.min),
+                                  ("float16", ReduceOp.SUM, None)]:
+            xs = inputs(world, numel, dtype)
+            mine = xs[rank].copy()
+            g.all_reduce(mine, op)
+            if reduce is None:  # float16: float32 accumulation, one rounding
+                want = np.sum([x.astype(np.float64) for x in xs], axis=0).astype(np.float16)
+                np.testing.assert_allclose(mine.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=1e-2)
+            else:
+                want = reduce(np.stack(xs), axis=0) if numel else np.zeros(0)
+                np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-4)
+            # identical on every rank
+            every = g.all_gather(mine)
+            assert all(every[r].tobytes() == mine.tobytes() for r in range(world)), (numel, dtype)
+        xs = inputs(world, numel, "int64")
+        part = g.reduce_scatter(xs[rank])
+        total = np.sum(np.stack(xs), axis=0) if numel else np.zeros(0, np.int64)
+        assert part.tolist() == np.array_split(total, world)[rank].tolist(), numel
+        gathered = g.all_gather(xs[rank].astype(np.int16).reshape(-1, 1))
+        assert gathered.shape == (world, numel, 1)
+        assert gathered.reshape(world, -1).tolist() == [x.astype(np.int16).tolist() for x in xs]
+        for root in range(world):
+            b = xs[rank].astype(np.uint8)
+            g.broadcast(b, root)
+            assert b.tolist() == xs[root].astype(np.uint8).tolist()
+        g.barrier()
+    print("ok", flush=True)
+
+
+def fail_loop(g: GroupThread) -> None:
+    x = np.ones(50_000, np.float32)
+    g.all_reduce(x)
+    print("ready", flush=True)
+    start = time.monotonic()
+    try:
+        while True:
+            start = time.monotonic()
+            g.all_reduce(x)
+            x[:] = 1
+    except CollectiveError as e:
+        print(json.dumps({"error": str(e), "ranks": list(e.ranks), "after_s": time.monotonic() - start,
+                          "type": type(e).__name__}), flush=True)
+        try:
+            g.barrier()
+        except CollectiveError as again:
+            assert str(again) == str(e), "a broken group raises its error again"
+
+
+def main() -> None:
+    scenario, rank, world, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    timeout = float(os.environ.get("AIOBRPC_TEST_TIMEOUT", "30"))
+    with GroupThread(FileStore(path, timeout=30), rank, world, timeout=timeout, segment_bytes=4096,
+                     loop_factory=loop_factory) as g:
+        {"check": check, "loop": fail_loop}[scenario](g)
+
+
+if __name__ == "__main__":
+    main()
