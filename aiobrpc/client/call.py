@@ -25,7 +25,7 @@ import logging
 import time
 
 from .. import _fast
-from ..controller import Controller
+from ..controller import AttemptInfo, Controller  # AttemptInfo: also importable from here, as before
 from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
                       EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, content, streaming
@@ -58,22 +58,6 @@ def _ask(what: str, callback, *args):
         return callback(*args)
     except Exception as e:
         raise CallbackFailed(what, e) from None
-
-
-class AttemptInfo:
-    """What one attempt of a call did, as `Controller.attempts` lists it."""
-
-    __slots__ = ("remote_side", "correlation_id", "error_code", "backup")
-
-    def __init__(self, remote_side: str, correlation_id: int, error_code: int | None, backup: bool) -> None:
-        self.remote_side = remote_side
-        self.correlation_id = correlation_id
-        self.error_code = error_code  # 0: succeeded; None: abandoned without a result
-        self.backup = backup
-
-    def __repr__(self) -> str:
-        what = "abandoned" if self.error_code is None else f"E{self.error_code}" if self.error_code else "ok"
-        return f"<Attempt {self.remote_side} cid={self.correlation_id} {what}{' backup' if self.backup else ''}>"
 
 
 class Attempt:
