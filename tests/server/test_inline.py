@@ -32,7 +32,6 @@ async def inline(coro, then=None):
 
 
 async def test_a_coroutine_that_does_not_suspend_finishes_inline():
-    loop = asyncio.get_running_loop()
     seen = []
 
     async def handler():
@@ -123,7 +122,6 @@ async def test_a_cancel_requested_inline_reaches_the_first_await():
 
 
 async def test_asyncio_timeout_and_taskgroup_work_inline_and_across_the_suspension():
-    loop = asyncio.get_running_loop()
 
     async def handler():
         async with asyncio.timeout(5):
@@ -144,7 +142,6 @@ async def test_asyncio_timeout_and_taskgroup_work_inline_and_across_the_suspensi
 
 
 async def test_bare_yield_goes_through_the_loop():
-    loop = asyncio.get_running_loop()
     order = []
 
     async def handler():
