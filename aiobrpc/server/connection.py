@@ -171,6 +171,8 @@ class ServerConnection(FramedConnection):
     def protocol_error(self, e: RemoteProtocolError) -> None:
         self.server.stats.count_close("unknown_protocol" if "unknown protocol" in str(e) else "bad_frame")
         if self.inflight == 0:
+            if self._out:  # replies to the requests before the bad bytes, answered inline
+                self._flush()
             super().protocol_error(e)
             return
         # Requests received before the bad bytes are still answered (nothing lost); nothing
