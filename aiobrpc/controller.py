@@ -14,6 +14,22 @@ from .errors import EINTERNAL, describe
 from .protocol.checksum import CRC32C, NONE as CHECKSUM_NONE
 
 
+class AttemptInfo:
+    """What one attempt of a call did, as `Controller.attempts` lists it."""
+
+    __slots__ = ("remote_side", "correlation_id", "error_code", "backup")
+
+    def __init__(self, remote_side: str, correlation_id: int, error_code: int | None, backup: bool) -> None:
+        self.remote_side = remote_side
+        self.correlation_id = correlation_id
+        self.error_code = error_code  # 0: succeeded; None: abandoned without a result
+        self.backup = backup
+
+    def __repr__(self) -> str:
+        what = "abandoned" if self.error_code is None else f"E{self.error_code}" if self.error_code else "ok"
+        return f"<Attempt {self.remote_side} cid={self.correlation_id} {what}{' backup' if self.backup else ''}>"
+
+
 class Controller:
     """Settings of one call (client) or the view of one request (server).
 
@@ -256,7 +272,6 @@ class Controller:
         if self._attempts is not None:
             return self._attempts
         if self.remote_side and not self.error_code:  # one attempt, which succeeded
-            from .client.call import AttemptInfo
             return [AttemptInfo(self.remote_side, self.correlation_id, 0, False)]
         return []
 

@@ -1,4 +1,11 @@
-"""ChannelOptions and ServerOptions, named as brpc names them (brpc's docs/en/client.md, brpc's docs/en/server.md)."""
+"""ChannelOptions and ServerOptions, named as brpc names them (brpc's docs/en/client.md, brpc's docs/en/server.md).
+
+Also the settings objects these options hold by default or check when they are made: the
+`RetryThrottle` (a new one is every ChannelOptions' default) and the circuit breaker's settings
+(`circuit_breaker_settings`). They live here, not in `client/`, so that this module, like
+`errors.py` and `controller.py`, imports nothing from `client/` or `server/`: every layer uses
+it, and it uses none of them.
+"""
 
 from __future__ import annotations
 
@@ -82,7 +89,7 @@ class ChannelOptions:
     retry_policy: Any = None  # a client.retry.RetryPolicy; None: brpc's default set, no backoff
     # Token bucket shared by the channel's calls (gRPC A6): retries stop while most attempts
     # fail, so a dead cluster does not get max_retry+1 times the load. None: no throttle.
-    retry_throttle: Any = field(default_factory=lambda: _default_throttle())
+    retry_throttle: Any = field(default_factory=lambda: RetryThrottle())
     backup_request_policy: Any = None  # a client.backup.BackupRequestPolicy; wins over backup_request_ms
     # Methods ("package.Service/Method", or "package.Service" for all of its methods) whose
     # work must not be repeated: never retried once the request may have reached the server,
@@ -122,9 +129,8 @@ class ChannelOptions:
         if not isinstance(self.circuit_breaker_options, dict):
             raise TypeError("circuit_breaker_options must be a dict of CircuitBreaker arguments")
         if self.circuit_breaker_options:
-            from .client.circuit_breaker import CircuitBreaker
             try:
-                CircuitBreaker(**self.circuit_breaker_options)  # the same checks, now
+                circuit_breaker_settings(self.circuit_breaker_options)  # the breaker's own checks, now
             except TypeError as e:
                 raise TypeError(f"circuit_breaker_options: {e}") from None
         for name, want in (("retry_policy", "do_retry"), ("backup_request_policy", "backup_request_ms"),
@@ -134,9 +140,97 @@ class ChannelOptions:
                 raise TypeError(f"{name} must have a {want}() method, got {type(v).__name__}")
 
 
-def _default_throttle():
-    from .client.retry import RetryThrottle
-    return RetryThrottle()
+class RetryThrottle:
+    """Token bucket that stops retries while a server mostly fails (gRPC proposal A6).
+
+    Tokens start at `max_tokens`; each failed attempt takes 1 (not below 0), each success
+    gives back `token_ratio` (not above `max_tokens`); retries are allowed only while more
+    than half the tokens are left. One throttle is meant to be shared by all calls to a
+    cluster.
+
+    >>> t = RetryThrottle(max_tokens=4, token_ratio=0.5)
+    >>> t.on_failure(); t.allow_retry()
+    True
+    >>> t.on_failure(); t.allow_retry()
+    False
+    >>> t.on_success(); t.allow_retry()
+    True
+    """
+
+    def __init__(self, max_tokens: float = 100, token_ratio: float = 0.1) -> None:
+        if not (isinstance(max_tokens, (int, float)) and 0 < max_tokens <= 1000):
+            raise ValueError(f"max_tokens must be in (0, 1000], got {max_tokens!r}")
+        if not (isinstance(token_ratio, (int, float)) and 0 < token_ratio <= max_tokens):
+            raise ValueError(f"token_ratio must be > 0 and <= max_tokens, got {token_ratio!r}")
+        self.max_tokens = float(max_tokens)
+        self.token_ratio = float(token_ratio)
+        self.tokens = self.max_tokens
+
+    def on_success(self) -> None:
+        """An attempt succeeded: give back `token_ratio` tokens."""
+        self.tokens = min(self.max_tokens, self.tokens + self.token_ratio)
+
+    def on_failure(self) -> None:
+        """An attempt failed: take one token."""
+        self.tokens = max(0.0, self.tokens - 1)
+
+    def allow_retry(self) -> bool:
+        """Whether a retry may be made now: more than half the tokens are left."""
+        return self.tokens > self.max_tokens / 2
+
+    def __repr__(self) -> str:
+        return f"<RetryThrottle {self.tokens:g}/{self.max_tokens:g} tokens>"
+
+
+
+#: brpc's circuit-breaker gflags (src/brpc/circuit_breaker.cpp), the defaults of
+#: `client.circuit_breaker.CircuitBreaker` and of `ChannelOptions.circuit_breaker_options`.
+CIRCUIT_BREAKER_DEFAULTS: dict[str, Any] = {
+    "long_window": 3000, "long_error_percent": 5, "short_window": 1500, "short_error_percent": 10,
+    "epsilon": 0.02, "min_error_cost_us": 500, "max_failed_latency_multiple": 2.0,
+    "min_isolation_ms": 100, "max_isolation_ms": 30000, "half_open_window": 0,
+}
+
+
+def circuit_breaker_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """`CIRCUIT_BREAKER_DEFAULTS` updated by `options`, checked: TypeError names a setting that
+    does not exist, ValueError a value out of its range.
+
+    >>> circuit_breaker_settings({"short_window": 10})["short_window"]
+    10
+    """
+    unknown = options.keys() - CIRCUIT_BREAKER_DEFAULTS.keys()
+    if unknown:
+        raise TypeError(f"unexpected circuit breaker setting(s) {', '.join(sorted(map(repr, unknown)))}")
+    s = {**CIRCUIT_BREAKER_DEFAULTS, **options}
+    for name in ("long_window", "short_window"):
+        if not _is_int(s[name]) or s[name] < 1:
+            raise ValueError(f"{name} must be an int >= 1 (samples), got {s[name]!r}")
+    for name in ("long_error_percent", "short_error_percent"):
+        if not _is_int(s[name]) or not 0 <= s[name] <= 100:
+            raise ValueError(f"{name} must be an int in 0..100, got {s[name]!r}")
+    epsilon = s["epsilon"]
+    if not (isinstance(epsilon, (int, float)) and 0 < epsilon < 1):
+        raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
+    min_error_cost_us = s["min_error_cost_us"]
+    if not (isinstance(min_error_cost_us, (int, float)) and min_error_cost_us >= 0):
+        raise ValueError(f"min_error_cost_us must be >= 0, got {min_error_cost_us!r}")
+    multiple = s["max_failed_latency_multiple"]
+    if not (isinstance(multiple, (int, float)) and multiple > 0):
+        raise ValueError(f"max_failed_latency_multiple must be > 0, got {multiple!r}")
+    min_isolation_ms, max_isolation_ms = s["min_isolation_ms"], s["max_isolation_ms"]
+    if not _is_int(min_isolation_ms) or min_isolation_ms < 1:
+        raise ValueError(f"min_isolation_ms must be an int >= 1, got {min_isolation_ms!r}")
+    if not _is_int(max_isolation_ms) or max_isolation_ms < min_isolation_ms:
+        raise ValueError(f"max_isolation_ms must be an int >= min_isolation_ms "
+                         f"({min_isolation_ms}), got {max_isolation_ms!r}")
+    if not _is_int(s["half_open_window"]) or s["half_open_window"] < 0:
+        raise ValueError(f"half_open_window must be an int >= 0 (0: off), got {s['half_open_window']!r}")
+    return s
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass

@@ -25,7 +25,7 @@ import logging
 import time
 
 from .. import _fast
-from ..controller import Controller
+from ..controller import AttemptInfo, Controller  # AttemptInfo: also importable from here, as before
 from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
                       EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, content, streaming
@@ -58,22 +58,6 @@ def _ask(what: str, callback, *args):
         return callback(*args)
     except Exception as e:
         raise CallbackFailed(what, e) from None
-
-
-class AttemptInfo:
-    """What one attempt of a call did, as `Controller.attempts` lists it."""
-
-    __slots__ = ("remote_side", "correlation_id", "error_code", "backup")
-
-    def __init__(self, remote_side: str, correlation_id: int, error_code: int | None, backup: bool) -> None:
-        self.remote_side = remote_side
-        self.correlation_id = correlation_id
-        self.error_code = error_code  # 0: succeeded; None: abandoned without a result
-        self.backup = backup
-
-    def __repr__(self) -> str:
-        what = "abandoned" if self.error_code is None else f"E{self.error_code}" if self.error_code else "ok"
-        return f"<Attempt {self.remote_side} cid={self.correlation_id} {what}{' backup' if self.backup else ''}>"
 
 
 class Attempt:
@@ -144,8 +128,8 @@ class Call:
         self.current: Attempt | None = None
         self.unfinished: Attempt | None = None  # the original, once a backup was sent
         self.excluded: list = []
-        self.timer = None
-        self.backup_timer = None
+        self.timer = None  # the key of the deadline in channel._deadlines (a TimerWheel)
+        self.backup_timer = None  # the key of the backup's time in channel._backups
         self.retry_handle = None
         self.backup_ms = -1
         self.errors: list | None = None  # (code, text) of every failed attempt
@@ -156,7 +140,7 @@ class Call:
         loop = self.loop
         self.channel._calls.add(self)  # until _complete: closing the channel ends it
         if self.deadline is not None:
-            self.timer = loop.call_at(self.deadline, self._timed_out)
+            self.timer = self.channel._deadlines.add(self.deadline, self)  # no TimerHandle per call
         opts = self.channel.options
         try:
             # A backup repeats the work, so never for non-idempotent methods.
@@ -165,7 +149,7 @@ class Call:
                 ms = self._backup_delay_ms()
                 if ms >= 0 and (self.timeout_ms < 0 or ms < self.timeout_ms):
                     self.backup_ms = ms
-                    self.backup_timer = loop.call_later(ms / 1000, self._backup_due)
+                    self.backup_timer = self.channel._backups.add(loop.time() + ms / 1000, self)
         except Exception as e:
             self._fail(e)
             return
@@ -528,7 +512,7 @@ class Call:
         self.channel._calls.discard(self)
         side = att if att is not None else self.current  # whose server the controller names
         if self.timer is not None:
-            self.timer.cancel()
+            self.channel._deadlines.remove(self.timer, self)
             self.timer = None
         if self.backup_timer is not None or self.retry_handle is not None or self.unfinished is not None:
             self._stop_others(att, err)
@@ -566,10 +550,12 @@ class Call:
                 fut.set_exception(err)
 
     def _stop_others(self, att: Attempt | None, err: RpcError | None) -> None:
-        for handle in (self.backup_timer, self.retry_handle):
-            if handle is not None:
-                handle.cancel()
-        self.backup_timer = self.retry_handle = None
+        if self.backup_timer is not None:
+            self.channel._backups.remove(self.backup_timer, self)
+            self.backup_timer = None
+        if self.retry_handle is not None:
+            self.retry_handle.cancel()
+            self.retry_handle = None
         for other in (self.current, self.unfinished):
             if other is not None and other is not att and not other.done:
                 if err is None and other.sent:

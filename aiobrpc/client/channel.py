@@ -23,6 +23,7 @@ from ..errors import EFAILEDSOCKET, EHOSTDOWN, EINVAL, ENODATA, EREQUEST, RpcErr
 from ..options import ChannelOptions
 from ..protocol import content
 from .call import Call, CallbackFailed
+from .deadlines import TimerWheel
 from .connection import ClientStats
 from .lb import create_load_balancer
 from .naming import ServerNode, create_naming_service, is_naming_url
@@ -81,6 +82,9 @@ class Channel:
         self._naming_error = ""  # the naming service's last fault, until its next good list
         self._calls: set[Call] = set()  # started and not ended
         self._loop: asyncio.AbstractEventLoop | None = None  # where its connections, timers and tasks live
+        # The deadlines and backup-request times of its calls, each on one loop timer.
+        self._deadlines: TimerWheel | None = None
+        self._backups: TimerWheel | None = None
         self._closed = False
         if isinstance(address, str) and is_naming_url(address):
             if not load_balancer:
@@ -223,6 +227,8 @@ class Channel:
         self._running_loop()
         self._closed = True
         self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed"))
+        self._deadlines.close()
+        self._backups.close()
         self._release_first_list_waiters()  # calls waiting for it find the channel closed
         if self._watch is not None:
             self._watch.cancel()
@@ -309,6 +315,8 @@ class Channel:
             raise RpcError(EINVAL, f"Channel to {self.address} is in use by an event loop still running "
                                    "in another thread: a Channel belongs to one loop at a time")
         self._loop = loop
+        self._deadlines = TimerWheel(loop, Call._timed_out)  # the old loop's (if any) ended with it
+        self._backups = TimerWheel(loop, Call._backup_due)
         if old is None:
             return
         for pool in self.pools.values():

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import ELIMIT
+from ..options import circuit_breaker_settings
 
 
 class _EmaErrorRecorder:
@@ -115,29 +116,13 @@ class CircuitBreaker:
                  max_failed_latency_multiple: float = 2.0, min_isolation_ms: int = 100,
                  max_isolation_ms: int = 30000, half_open_window: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        for name, value in (("long_window", long_window), ("short_window", short_window)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (samples), got {value!r}")
-        for name, value in (("long_error_percent", long_error_percent),
-                            ("short_error_percent", short_error_percent)):
-            if not _is_int(value) or not 0 <= value <= 100:
-                raise ValueError(f"{name} must be an int in 0..100, got {value!r}")
-        if not (isinstance(epsilon, (int, float)) and 0 < epsilon < 1):
-            raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
-        if not (isinstance(min_error_cost_us, (int, float)) and min_error_cost_us >= 0):
-            raise ValueError(f"min_error_cost_us must be >= 0, got {min_error_cost_us!r}")
-        if not (isinstance(max_failed_latency_multiple, (int, float))
-                and max_failed_latency_multiple > 0):
-            raise ValueError(f"max_failed_latency_multiple must be > 0, "
-                             f"got {max_failed_latency_multiple!r}")
-        if not _is_int(min_isolation_ms) or min_isolation_ms < 1:
-            raise ValueError(f"min_isolation_ms must be an int >= 1, got {min_isolation_ms!r}")
-        if not _is_int(max_isolation_ms) or max_isolation_ms < min_isolation_ms:
-            raise ValueError(f"max_isolation_ms must be an int >= min_isolation_ms "
-                             f"({min_isolation_ms}), got {max_isolation_ms!r}")
-        if not _is_int(half_open_window) or half_open_window < 0:
-            raise ValueError(f"half_open_window must be an int >= 0 (0: off), "
-                             f"got {half_open_window!r}")
+        circuit_breaker_settings({  # the checks ChannelOptions runs on circuit_breaker_options too
+            "long_window": long_window, "long_error_percent": long_error_percent,
+            "short_window": short_window, "short_error_percent": short_error_percent,
+            "epsilon": epsilon, "min_error_cost_us": min_error_cost_us,
+            "max_failed_latency_multiple": max_failed_latency_multiple,
+            "min_isolation_ms": min_isolation_ms, "max_isolation_ms": max_isolation_ms,
+            "half_open_window": half_open_window})
         recorder_args = (epsilon, min_error_cost_us, max_failed_latency_multiple)
         self._long = _EmaErrorRecorder(long_window, long_error_percent, *recorder_args)
         self._short = _EmaErrorRecorder(short_window, short_error_percent, *recorder_args)
@@ -213,6 +198,3 @@ class CircuitBreaker:
         return (f"<CircuitBreaker {state} isolated {self._isolated_times}x "
                 f"next {self._isolation_duration_ms}ms>")
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import errors
+from ..options import RetryThrottle  # noqa: F401  (its home is options.py: ChannelOptions makes the default one)
 
 # brpc's RpcRetryPolicy::DoRetry set (brpc's src/brpc/retry_policy.cpp).
 RETRYABLE_BY_DEFAULT: frozenset[int] = errors.DEFAULT_RETRYABLE
@@ -150,48 +151,6 @@ def retry_allowed(policy: RetryPolicy, cntl: Any) -> bool:
     The caller still checks `retried_count < max_retry` and the deadline.
     """
     return cntl.error_code not in NEVER_RETRIED and bool(policy.do_retry(cntl))
-
-
-class RetryThrottle:
-    """Token bucket that stops retries while a server mostly fails (gRPC proposal A6).
-
-    Tokens start at `max_tokens`; each failed attempt takes 1 (not below 0), each success
-    gives back `token_ratio` (not above `max_tokens`); retries are allowed only while more
-    than half the tokens are left. One throttle is meant to be shared by all calls to a
-    cluster.
-
-    >>> t = RetryThrottle(max_tokens=4, token_ratio=0.5)
-    >>> t.on_failure(); t.allow_retry()
-    True
-    >>> t.on_failure(); t.allow_retry()
-    False
-    >>> t.on_success(); t.allow_retry()
-    True
-    """
-
-    def __init__(self, max_tokens: float = 100, token_ratio: float = 0.1) -> None:
-        if not (isinstance(max_tokens, (int, float)) and 0 < max_tokens <= 1000):
-            raise ValueError(f"max_tokens must be in (0, 1000], got {max_tokens!r}")
-        if not (isinstance(token_ratio, (int, float)) and 0 < token_ratio <= max_tokens):
-            raise ValueError(f"token_ratio must be > 0 and <= max_tokens, got {token_ratio!r}")
-        self.max_tokens = float(max_tokens)
-        self.token_ratio = float(token_ratio)
-        self.tokens = self.max_tokens
-
-    def on_success(self) -> None:
-        """An attempt succeeded: give back `token_ratio` tokens."""
-        self.tokens = min(self.max_tokens, self.tokens + self.token_ratio)
-
-    def on_failure(self) -> None:
-        """An attempt failed: take one token."""
-        self.tokens = max(0.0, self.tokens - 1)
-
-    def allow_retry(self) -> bool:
-        """Whether a retry may be made now: more than half the tokens are left."""
-        return self.tokens > self.max_tokens / 2
-
-    def __repr__(self) -> str:
-        return f"<RetryThrottle {self.tokens:g}/{self.max_tokens:g} tokens>"
 
 
 def _check_ms(name: str, value: float) -> None:

@@ -55,7 +55,16 @@ class ServerConnection(FramedConnection):
             self.decoder.reader.rbuf.clear()
             return
         self.last_active = self.loop.time()
-        super().buffer_updated(nbytes)
+        # Handlers that do not suspend reply while their requests are read (run inline): their
+        # replies go out together, in one write when this read is handled, as soon as the
+        # lone reply of one request in flight and with no loop iteration in between.
+        self.batching_writes = True
+        try:
+            super().buffer_updated(nbytes)
+        finally:
+            self.batching_writes = False
+        if self._out and not self._flush_scheduled:
+            self._flush()
 
     def event_received(self, ev) -> None:
         if self.poisoned:
@@ -162,6 +171,8 @@ class ServerConnection(FramedConnection):
     def protocol_error(self, e: RemoteProtocolError) -> None:
         self.server.stats.count_close("unknown_protocol" if "unknown protocol" in str(e) else "bad_frame")
         if self.inflight == 0:
+            if self._out:  # replies to the requests before the bad bytes, answered inline
+                self._flush()
             super().protocol_error(e)
             return
         # Requests received before the bad bytes are still answered (nothing lost); nothing

@@ -1,4 +1,4 @@
-"""Server: listens, accepts, dispatches each request to its servicer in its own task.
+"""Server: listens, accepts, dispatches each request to its servicer, as its own task once it suspends.
 
 >>> server = Server(ServerOptions())  # doctest: +SKIP
 >>> server.add_service(Echo())  # doctest: +SKIP
@@ -22,6 +22,7 @@ from ..stream import streams_failed
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
+from .inline import run_inline
 from .dispatch import (Registry, admission_error, error_response, exception_text, parse_request,
                        server_controller, success_response)
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 _new_task = asyncio.Task
 _current_task = asyncio.current_task
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
+_INLINE = not _EAGER  # before 3.12: run_inline does what eager tasks do
 _refuse_log = RateLimitedLog()
 _CLOSE_GRACE_SEC = 1.0  # join() without a timeout: how long peers get to read their last replies
 
@@ -288,11 +290,19 @@ class Server:
         self.concurrency += 1
         conn.inflight += 1
         self._idle_event.clear()
-        # One task per request, so a slow handler never delays the others. From 3.12 the task
-        # starts eagerly: a handler that finishes without suspending costs no loop iteration.
-        task = _new_task(self._serve(conn, meta, entry, request, cntl), loop=conn.loop, **_EAGER)
+        # A task per request that suspends, so a slow handler never delays the others; one
+        # that finishes without suspending runs at once and costs no task nor loop iteration:
+        # from 3.12 an eager task, before it run_inline (a task only from the first suspension).
+        loop = conn.loop
+        coro = self._serve(conn, meta, entry, request, cntl)
+        if _INLINE and _current_task(loop) is None:  # a task runs us when an async auth let the request in
+            task = run_inline(coro, loop)
+            if task is not None:
+                self._tasks.add(task)  # _serve removes it, which is cheaper than a done callback
+            return
+        task = _new_task(coro, loop=loop, **_EAGER)
         if not task.done():
-            self._tasks.add(task)  # _serve removes it, which is cheaper than a done callback
+            self._tasks.add(task)
 
     async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
         try:

@@ -83,6 +83,9 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._out: list = []
         self._out_bytes = 0
         self._flush_scheduled = False
+        # While set, write() only queues: the owner flushes everything at once when it ends
+        # (a server handling the requests of one read inline: one writev for their replies).
+        self.batching_writes = False
         self._writelines_ok = False
         self.hold_events = False  # a subclass sets it to leave events buffered for now
 
@@ -187,6 +190,8 @@ class FramedConnection(asyncio.BufferedProtocol):
             nbytes = buffers_size(buffers)
         self._out.extend(buffers)
         self._out_bytes += nbytes
+        if self.batching_writes:
+            return
         if alone and not self._flush_scheduled:
             self._flush()
             return

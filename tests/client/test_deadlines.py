@@ -1,0 +1,111 @@
+"""Call deadlines and backup times share one loop timer per channel (client/deadlines.py,
+issue 17): they still fire on time, never early, in order, and an ended call leaves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+import aiobrpc
+from aiobrpc import errors
+from aiobrpc.client.deadlines import TimerWheel
+from tests.client.test_call_rules import Cluster, Req
+
+
+@pytest_asyncio.fixture
+async def cluster():
+    c = Cluster()
+    yield c
+    await c.close()
+
+
+async def test_wheel_fires_in_time_order_never_early_and_forgets_removed_entries():
+    loop = asyncio.get_running_loop()
+    fired = []
+    wheel = TimerWheel(loop, lambda entry: fired.append((entry, loop.time())))
+    now = loop.time()
+    whens = {f"e{i}": now + (i * 7 % 30) / 1000 for i in range(30)}
+    keys = {name: wheel.add(when, name) for name, when in whens.items()}
+    for name in ("e3", "e17"):
+        wheel.remove(keys[name], name)
+    wheel.remove(keys["e3"], "e3")  # twice: nothing
+    await asyncio.sleep(0.06)
+    names = [name for name, _ in fired]
+    assert sorted(names) == sorted(set(whens) - {"e3", "e17"})
+    # By millisecond, then in the order added (within one millisecond, not by time).
+    assert names == sorted(names, key=lambda n: (keys[n], int(n[1:])))
+    for name, at in fired:
+        assert at >= whens[name] - 1e-6  # never early
+    assert len(wheel) == 0 and wheel.handle is None
+
+
+async def test_an_earlier_entry_rearms_the_timer_and_close_stops_it():
+    loop = asyncio.get_running_loop()
+    fired = []
+    wheel = TimerWheel(loop, fired.append)
+    wheel.add(loop.time() + 10, "late")
+    wheel.add(loop.time() + 0.005, "soon")
+    await asyncio.sleep(0.03)
+    assert fired == ["soon"] and wheel.handle is not None  # armed again, for "late"
+    wheel.close()
+    assert wheel.handle is None and len(wheel) == 0
+
+
+async def test_an_expire_that_raises_does_not_lose_the_others(loop_errors):
+    loop = asyncio.get_running_loop()
+    fired = []
+
+    def expire(entry):
+        if entry == "bad":
+            raise ValueError("bad")
+        fired.append(entry)
+    wheel = TimerWheel(loop, expire)
+    t = loop.time() + 0.002
+    for name in ("a", "bad", "b"):
+        wheel.add(t, name)
+    await asyncio.sleep(0.02)
+    assert fired == ["a", "b"]
+    assert [type(e["exception"]) for e in loop_errors] == [ValueError]
+    loop_errors.clear()
+
+
+async def test_many_calls_with_staggered_deadlines_time_out_on_time(cluster):
+    async def never(srv, request, cntl, n):
+        await asyncio.sleep(10)
+
+    srv = await cluster.start(never)
+    channel, stub = cluster.channel([srv], max_retry=0)
+    await channel.connect()  # the deadlines below are of calls, not of a connect
+    loop = asyncio.get_running_loop()
+    ends = {}
+
+    ref = {}  # a plain loop timer armed with each call's deadline: when the loop could run it
+
+    async def one(i: int, timeout_ms: int):
+        cntl = aiobrpc.Controller(timeout_ms=timeout_ms)
+        start = loop.time()
+        loop.call_at(start + timeout_ms / 1000, lambda: ref.__setitem__(i, loop.time()))
+        with pytest.raises(aiobrpc.RpcError) as ei:
+            await stub.Echo(Req(message=str(i)), cntl)
+        ends[i] = loop.time()
+        assert (ends[i] - start) * 1000 >= timeout_ms - 1  # never early (uvloop's clock: whole ms)
+        assert ei.value.code == errors.ERPCTIMEDOUT and f"Reached timeout={timeout_ms}ms" in ei.value.text
+        assert cntl.latency_us >= timeout_ms * 1000 - 1000
+
+    timeouts = [20 + (i * 37) % 180 for i in range(300)]  # 20..199 ms, interleaved
+    await asyncio.gather(*(one(i, t) for i, t in enumerate(timeouts)))
+    # On time: a call ends within a few ms of when a timer of its own would have run (the
+    # median, so that a loaded machine's pauses hit both alike).
+    behind = sorted((ends[i] - ref[i]) * 1000 for i in range(len(timeouts)))
+    assert behind[len(behind) // 2] < 3, behind
+    assert channel.stats.timeouts == 300
+    assert len(channel._deadlines) == 0
+
+
+async def test_a_call_that_ends_leaves_no_deadline_or_backup_behind(cluster):
+    srv = await cluster.start()
+    channel, stub = cluster.channel([srv], backup_request_ms=500, timeout_ms=1000)
+    await asyncio.gather(*(stub.Echo(Req(message=str(i))) for i in range(20)))
+    assert len(channel._deadlines) == 0 and len(channel._backups) == 0
