@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from aiobrpc import _fast
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 60
@@ -144,3 +146,27 @@ def test_ps_train_two_workers_two_shards(env):
     assert lines[0] == "mode sync, 2 workers, 2 shards" and lines[1].split() == ["step", "worker0", "worker1"]
     first, last = [list(map(float, line.split()[1:])) for line in (lines[2], lines[-1])]
     assert lines[-1].split()[0] == "39" and all(b < a / 20 for a, b in zip(first, last)), r.stdout
+
+
+def test_train_three_ways_quick(env, twin, tmp_path):
+    pytest.importorskip("torch", reason="torch (the 'train' extra) is installed for Python 3.11 only")
+    pytest.importorskip("matplotlib", reason="matplotlib (the 'train' extra) draws the loss curves")
+    if twin != "cython" and "cython" in _fast.available():
+        pytest.skip("runs once, with the compiled twin: torch's start-up costs seconds, and the twins are "
+                    "covered by tests/training")
+    plot = tmp_path / "curves.png"
+    r = run("train_three_ways.py", "--quick", "--plot", str(plot), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr == "", "no warnings"
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["2 processes, 20 steps, batch 32 per rank, SGD lr 0.2", "way          final loss  wall s"]
+    table = {way: (float(loss), float(seconds)) for way, loss, seconds in map(str.split, lines[2:5])}
+    assert list(table) == ["ddp/gloo", "ddp/aiobrpc", "ps"]
+    losses = [loss for loss, _ in table.values()]
+    assert max(losses) < 1.25, "well below ln(4) = 1.39, where it starts: it learned"  # 1.1079 here
+    assert max(losses) - min(losses) < 1e-3, "the same arithmetic three ways"
+    differences = [float(re.fullmatch(rf"max \|{way} - ddp/gloo\| over the parameters: (\S+)", line).group(1))
+                   for way, line in zip(["ddp/aiobrpc", "ps"], lines[5:7])]
+    assert all(d < 1e-4 for d in differences), r.stdout
+    assert lines[7:] == [f"plot: {plot}"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
