@@ -113,7 +113,7 @@ class Stream:
     __slots__ = ("id", "remote_side", "error", "_conn", "_peer_id", "_state", "_max_buf_size",
                  "_idle_timeout_ms", "_messages_in_batch", "_handler", "_awaiting_response",
                  "_peer_need_feedback", "_peer_writable", "produced", "_remote_consumed", "consumed",
-                 "_unconsumed", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
+                 "_unconsumed", "_feedback_sent", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
                  "_write_lock", "_waiters", "_reader", "_feedback_scheduled", "_idle_handle",
                  "_last_active", "_closed_fut", "_handler_task", "_notified", "_close_pending",
                  "_data_meta", "_data_meta_more", "_feedback_meta", "_loop")
@@ -136,6 +136,7 @@ class Stream:
         self._remote_consumed = 0  # the largest consumed_size the peer reported
         self.consumed = 0  # message bytes this end consumed (reported to the peer)
         self._unconsumed = 0
+        self._feedback_sent = 0  # the consumed count of the last FEEDBACK sent
         self._recv_cap = 0
         self._segment_size = streaming.DEFAULT_MAX_SEGMENT_SIZE
         self._queue: collections.deque = collections.deque()
@@ -395,9 +396,13 @@ class Stream:
             self._loop.call_soon(self._send_feedback)  # one FEEDBACK for what is consumed this turn
 
     def _send_feedback(self) -> None:
+        """FEEDBACK of what was consumed, unless the last one said it already. It goes out now
+        (with what is queued): the writer may be waiting for it."""
         self._feedback_scheduled = False
-        if self._state == _CONNECTED:
-            self._conn.write([streaming.feedback_frame_from(self._feedback_meta, self.consumed)])
+        consumed = self.consumed
+        if self._state == _CONNECTED and consumed != self._feedback_sent:
+            self._feedback_sent = consumed
+            self._conn.write([streaming.feedback_frame_from(self._feedback_meta, consumed)], alone=True)
 
     # -- closing -------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -583,12 +588,14 @@ class Stream:
                     continue
                 batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
                 result = handler.on_received_messages(self, batch)
-                if inspect.isawaitable(result):
+                if result is not None and inspect.isawaitable(result):
                     await result
                 n = 0
                 for m in batch:
                     n += len(m)
                 self._consume(n)
+                if not queue and self._peer_need_feedback:
+                    self._send_feedback()  # all read: report it now, not a loop iteration later
         except asyncio.CancelledError:
             self._end(ECANCELED, "the stream's handler was cancelled", _SEND_RST)
             self._notify_end()

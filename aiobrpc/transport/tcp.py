@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNWRITTEN_BYTES = 64 * 1024 * 1024
 _JOIN_LIMIT = 64 * 1024  # asyncio only: buffers below this are joined, larger are written alone
+# A message at least this large goes out at once (with what is queued before it): its syscall is
+# paid for by its bytes, and waiting a loop iteration to batch it would only add a wake-up.
+FLUSH_NOW_BYTES = 256 * 1024
 _LOG_INTERVAL = 1.0
 
 
@@ -179,7 +182,8 @@ class FramedConnection(asyncio.BufferedProtocol):
 
         `alone`: the caller knows no other message is coming now (one call in flight), so
         waiting for more to coalesce would only add a loop iteration of latency: it goes out
-        at once unless something is already queued.
+        at once unless something is already queued. A message of FLUSH_NOW_BYTES or more goes
+        out at once, after what is queued.
         """
         if self.is_closed:
             return
@@ -187,7 +191,7 @@ class FramedConnection(asyncio.BufferedProtocol):
             nbytes = buffers_size(buffers)
         self._out.extend(buffers)
         self._out_bytes += nbytes
-        if alone and not self._flush_scheduled:
+        if nbytes >= FLUSH_NOW_BYTES or (alone and not self._flush_scheduled):
             self._flush()
             return
         if not self._flush_scheduled:
@@ -221,9 +225,17 @@ class FramedConnection(asyncio.BufferedProtocol):
         if small:
             self.transport.write(b"".join(small) if len(small) > 1 else small[0])
 
+    def pace_writes(self, low_water: int) -> None:
+        """Let `wait_flushed` return once the transport holds at most `low_water` bytes (its
+        buffer limits become `low_water`), not only once it has almost drained: a writer of
+        pieces of `low_water` bytes then waits only while more than one piece is queued."""
+        if self.transport is not None and not self.is_closed:
+            self.transport.set_write_buffer_limits(high=low_water, low=low_water)
+
     async def wait_flushed(self) -> None:
         """Wait until what is queued went to the transport and the transport is not paused
-        (its buffer is below its low-water mark). ConnectionError once the connection closed."""
+        (its buffer is below its low-water mark, see pace_writes). ConnectionError once the
+        connection closed."""
         while True:
             if self.is_closed:
                 raise ConnectionError(f"connection to {self.peer} is closed")
