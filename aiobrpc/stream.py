@@ -116,7 +116,7 @@ class Stream:
                  "_unconsumed", "_feedback_sent", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
                  "_write_lock", "_waiters", "_reader", "_feedback_scheduled", "_idle_handle",
                  "_last_active", "_closed_fut", "_handler_task", "_notified", "_close_pending",
-                 "_data_meta", "_data_meta_more", "_feedback_meta", "_loop")
+                 "_data_meta", "_data_meta_more", "_feedback_meta", "_last_head", "_loop")
 
     def __init__(self, max_buf_size: int, idle_timeout_ms: int, messages_in_batch: int, handler) -> None:
         self.id = next(_ids)
@@ -155,6 +155,7 @@ class Stream:
         self._data_meta = b""
         self._data_meta_more = b""
         self._feedback_meta = b""
+        self._last_head = (-1, b"")  # (size, DATA head) of the last single-frame message
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- creating ------------------------------------------------------------------------------
@@ -269,8 +270,10 @@ class Stream:
             conn = self._conn
             if (window <= 0 or self.produced < self._remote_consumed + window) and conn.writable(n):
                 self.produced += n
-                conn.write([streaming.data_head(self._data_meta, n), view] if n else
-                           [streaming.data_head(self._data_meta, 0)], n + 12 + len(self._data_meta))
+                head = self._last_head
+                if head[0] != n:  # messages of one size share their DATA head
+                    head = self._last_head = (n, streaming.data_head(self._data_meta, n))
+                conn.write([head[1], view] if n else [head[1]], n + len(head[1]))
                 return
         if lock is None:
             lock = self._write_lock = asyncio.Lock()
@@ -305,8 +308,10 @@ class Stream:
         if n <= seg:
             if not conn.writable(n):
                 await self._wait_conn(conn)
-            conn.write([streaming.data_head(self._data_meta, n), view] if n else
-                       [streaming.data_head(self._data_meta, 0)], n + 12 + len(self._data_meta))
+            head = self._last_head
+            if head[0] != n:
+                head = self._last_head = (n, streaming.data_head(self._data_meta, n))
+            conn.write([head[1], view] if n else [head[1]], n + len(head[1]))
             return
         frames = streaming.segments(view, n, self._data_meta, self._data_meta_more, seg)
         sent = 0
@@ -586,7 +591,8 @@ class Stream:
                     finally:
                         self._reader = None
                     continue
-                batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
+                batch = ([queue.popleft()] if len(queue) == 1 else
+                         [queue.popleft() for _ in range(min(limit, len(queue)))])
                 result = handler.on_received_messages(self, batch)
                 if result is not None and inspect.isawaitable(result):
                     await result

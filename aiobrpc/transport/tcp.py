@@ -72,6 +72,9 @@ class FramedConnection(asyncio.BufferedProtocol):
     def __init__(self, role: str, max_body_size: int,
                  max_unwritten_bytes: int = DEFAULT_MAX_UNWRITTEN_BYTES) -> None:
         self.decoder = Decoder(role, max_body_size)
+        # The kernel side asks for a buffer once per read: the decoder's own method, with no
+        # Python frame of ours in between (get_buffer below documents it).
+        self.get_buffer = self.decoder.get_buffer
         self.max_body_size = max_body_size
         self.streams = None  # a StreamTable, made by the first stream on this connection
         self.write_paused = False
@@ -115,12 +118,13 @@ class FramedConnection(asyncio.BufferedProtocol):
     def process_events(self) -> None:
         """Hand every complete buffered event to `event_received` (until `hold_events`)."""
         decoder = self.decoder
+        next_frame = decoder.next_frame
         try:
             while not self.is_closed and not self.hold_events:
-                ev = decoder.next_event()
-                if ev is None:
+                frame = next_frame()  # most reads complete no frame: no Python frame for those
+                if frame is None:
                     break
-                self.event_received(ev)
+                self.event_received(decoder.event(frame))
         except RemoteProtocolError as e:
             self.protocol_error(e)
         except Exception as e:  # a bug of ours: this connection closes, named, the others go on
