@@ -41,6 +41,9 @@ __all__ = ["Stream", "StreamHandler"]
 _PENDING, _CONNECTED, _ENDED = 0, 1, 2
 _ids = itertools.count(1)  # process-wide: an id is never reused, so a late frame never finds a new stream
 _SEND_CLOSE, _SEND_RST = 1, 2
+# A message at least this large is sent at once (after what is queued), not at the end of the
+# loop iteration: its bytes pay for the syscall, and batching it would only add a wake-up.
+_FLUSH_NOW_BYTES = 256 * 1024
 
 
 class StreamHandler:
@@ -273,7 +276,7 @@ class Stream:
                 head = self._last_head
                 if head[0] != n:  # messages of one size share their DATA head
                     head = self._last_head = (n, streaming.data_head(self._data_meta, n))
-                conn.write([head[1], view] if n else [head[1]], n + len(head[1]))
+                conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
                 return
         if lock is None:
             lock = self._write_lock = asyncio.Lock()
@@ -311,7 +314,7 @@ class Stream:
             head = self._last_head
             if head[0] != n:
                 head = self._last_head = (n, streaming.data_head(self._data_meta, n))
-            conn.write([head[1], view] if n else [head[1]], n + len(head[1]))
+            conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
             return
         frames = streaming.segments(view, n, self._data_meta, self._data_meta_more, seg)
         sent = 0
@@ -319,7 +322,7 @@ class Stream:
             for i in range(0, len(frames), 2):
                 if i or not conn.writable(seg):
                     await self._wait_conn(conn)  # other streams and calls go between segments
-                conn.write(frames[i:i + 2])
+                conn.write(frames[i:i + 2], now=True)
                 sent += 1
         except asyncio.CancelledError:
             if sent and self._state == _CONNECTED:

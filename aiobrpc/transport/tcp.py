@@ -30,9 +30,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNWRITTEN_BYTES = 64 * 1024 * 1024
 _JOIN_LIMIT = 64 * 1024  # asyncio only: buffers below this are joined, larger are written alone
-# A message at least this large goes out at once (with what is queued before it): its syscall is
-# paid for by its bytes, and waiting a loop iteration to batch it would only add a wake-up.
-FLUSH_NOW_BYTES = 256 * 1024
 _LOG_INTERVAL = 1.0
 
 
@@ -181,13 +178,14 @@ class FramedConnection(asyncio.BufferedProtocol):
         """Whether `nbytes` more may be queued without passing max_unwritten_bytes."""
         return self.unwritten_bytes() + nbytes <= self.max_unwritten_bytes
 
-    def write(self, buffers: list, nbytes: int = -1, alone: bool = False) -> None:
+    def write(self, buffers: list, nbytes: int = -1, alone: bool = False, now: bool = False) -> None:
         """Queue one message's buffers; they go out at the end of this loop iteration.
 
         `alone`: the caller knows no other message is coming now (one call in flight), so
         waiting for more to coalesce would only add a loop iteration of latency: it goes out
-        at once unless something is already queued. A message of FLUSH_NOW_BYTES or more goes
-        out at once, after what is queued.
+        at once unless something is already queued. `now`: it goes out at once, after what is
+        queued (a large stream message: its bytes pay for the syscall, and waiting a loop
+        iteration to batch it would only add a wake-up).
         """
         if self.is_closed:
             return
@@ -195,7 +193,7 @@ class FramedConnection(asyncio.BufferedProtocol):
             nbytes = buffers_size(buffers)
         self._out.extend(buffers)
         self._out_bytes += nbytes
-        if nbytes >= FLUSH_NOW_BYTES or (alone and not self._flush_scheduled):
+        if now or (alone and not self._flush_scheduled):
             self._flush()
             return
         if not self._flush_scheduled:
