@@ -41,6 +41,9 @@ __all__ = ["Stream", "StreamHandler"]
 _PENDING, _CONNECTED, _ENDED = 0, 1, 2
 _ids = itertools.count(1)  # process-wide: an id is never reused, so a late frame never finds a new stream
 _SEND_CLOSE, _SEND_RST = 1, 2
+# A message at least this large is sent at once (after what is queued), not at the end of the
+# loop iteration: its bytes pay for the syscall, and batching it would only add a wake-up.
+_FLUSH_NOW_BYTES = 256 * 1024
 
 
 class StreamHandler:
@@ -113,10 +116,10 @@ class Stream:
     __slots__ = ("id", "remote_side", "error", "_conn", "_peer_id", "_state", "_max_buf_size",
                  "_idle_timeout_ms", "_messages_in_batch", "_handler", "_awaiting_response",
                  "_peer_need_feedback", "_peer_writable", "produced", "_remote_consumed", "consumed",
-                 "_unconsumed", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
+                 "_unconsumed", "_feedback_sent", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
                  "_write_lock", "_waiters", "_reader", "_feedback_scheduled", "_idle_handle",
                  "_last_active", "_closed_fut", "_handler_task", "_notified", "_close_pending",
-                 "_data_meta", "_data_meta_more", "_feedback_meta", "_loop")
+                 "_data_meta", "_data_meta_more", "_feedback_meta", "_last_head", "_loop")
 
     def __init__(self, max_buf_size: int, idle_timeout_ms: int, messages_in_batch: int, handler) -> None:
         self.id = next(_ids)
@@ -136,6 +139,7 @@ class Stream:
         self._remote_consumed = 0  # the largest consumed_size the peer reported
         self.consumed = 0  # message bytes this end consumed (reported to the peer)
         self._unconsumed = 0
+        self._feedback_sent = 0  # the consumed count of the last FEEDBACK sent
         self._recv_cap = 0
         self._segment_size = streaming.DEFAULT_MAX_SEGMENT_SIZE
         self._queue: collections.deque = collections.deque()
@@ -154,6 +158,7 @@ class Stream:
         self._data_meta = b""
         self._data_meta_more = b""
         self._feedback_meta = b""
+        self._last_head = (-1, b"")  # (size, DATA head) of the last single-frame message
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- creating ------------------------------------------------------------------------------
@@ -268,8 +273,10 @@ class Stream:
             conn = self._conn
             if (window <= 0 or self.produced < self._remote_consumed + window) and conn.writable(n):
                 self.produced += n
-                conn.write([streaming.data_head(self._data_meta, n), view] if n else
-                           [streaming.data_head(self._data_meta, 0)], n + 12 + len(self._data_meta))
+                head = self._last_head
+                if head[0] != n:  # messages of one size share their DATA head
+                    head = self._last_head = (n, streaming.data_head(self._data_meta, n))
+                conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
                 return
         if lock is None:
             lock = self._write_lock = asyncio.Lock()
@@ -304,8 +311,10 @@ class Stream:
         if n <= seg:
             if not conn.writable(n):
                 await self._wait_conn(conn)
-            conn.write([streaming.data_head(self._data_meta, n), view] if n else
-                       [streaming.data_head(self._data_meta, 0)], n + 12 + len(self._data_meta))
+            head = self._last_head
+            if head[0] != n:
+                head = self._last_head = (n, streaming.data_head(self._data_meta, n))
+            conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
             return
         frames = streaming.segments(view, n, self._data_meta, self._data_meta_more, seg)
         sent = 0
@@ -313,7 +322,7 @@ class Stream:
             for i in range(0, len(frames), 2):
                 if i or not conn.writable(seg):
                     await self._wait_conn(conn)  # other streams and calls go between segments
-                conn.write(frames[i:i + 2])
+                conn.write(frames[i:i + 2], now=True)
                 sent += 1
         except asyncio.CancelledError:
             if sent and self._state == _CONNECTED:
@@ -395,9 +404,13 @@ class Stream:
             self._loop.call_soon(self._send_feedback)  # one FEEDBACK for what is consumed this turn
 
     def _send_feedback(self) -> None:
+        """FEEDBACK of what was consumed, unless the last one said it already. It goes out now
+        (with what is queued): the writer may be waiting for it."""
         self._feedback_scheduled = False
-        if self._state == _CONNECTED:
-            self._conn.write([streaming.feedback_frame_from(self._feedback_meta, self.consumed)])
+        consumed = self.consumed
+        if self._state == _CONNECTED and consumed != self._feedback_sent:
+            self._feedback_sent = consumed
+            self._conn.write([streaming.feedback_frame_from(self._feedback_meta, consumed)], alone=True)
 
     # -- closing -------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -581,14 +594,17 @@ class Stream:
                     finally:
                         self._reader = None
                     continue
-                batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
+                batch = ([queue.popleft()] if len(queue) == 1 else
+                         [queue.popleft() for _ in range(min(limit, len(queue)))])
                 result = handler.on_received_messages(self, batch)
-                if inspect.isawaitable(result):
+                if result is not None and inspect.isawaitable(result):
                     await result
                 n = 0
                 for m in batch:
                     n += len(m)
                 self._consume(n)
+                if not queue and self._peer_need_feedback:
+                    self._send_feedback()  # all read: report it now, not a loop iteration later
         except asyncio.CancelledError:
             self._end(ECANCELED, "the stream's handler was cancelled", _SEND_RST)
             self._notify_end()

@@ -177,6 +177,7 @@ cdef class ReadBuffer:
         self._end = 0
         self._large = None
         self._large_filled = 0
+        self._large_total = 0
         self._complete = None
         self.reused_large_buffers = 0
         self._header_only = False
@@ -190,13 +191,11 @@ cdef class ReadBuffer:
     cdef object _get_buffer(self):
         cdef Py_ssize_t free
         if self._large is not None:
-            if self._large_filled < len(self._large):
+            if self._large_filled < self._large_total:
                 return memoryview(self._large)[self._large_filled:]
             # Complete but not taken yet (a caller feeding before parsing): park it and go on
             # reading into the block.
-            self._complete = self._large
-            self._large = None
-            self._large_filled = 0
+            self._complete = self._finish_large()
         if self._start == self._end and self._unshared():
             self._start = self._end = 0
             if PyByteArray_GET_SIZE(self._block) != self._block_size:
@@ -204,10 +203,10 @@ cdef class ReadBuffer:
         free = PyByteArray_GET_SIZE(self._block) - self._end
         if free < HEADER or (free < self.large_threshold and self._start != self._end):
             self._new_block()
-        if self._header_only and self._start == self._end:
-            # After a large frame: read just the next header, so a following large frame is
-            # received straight into its own buffer.
-            return memoryview(self._block)[self._end:self._end + HEADER]
+        if self._header_only and self._end - self._start < HEADER:
+            # After a large frame: read just the rest of the next header, so a following large
+            # frame is received straight into its own buffer.
+            return memoryview(self._block)[self._end:self._start + HEADER]
         return memoryview(self._block)[self._end:]
 
     def buffer_updated(self, nbytes):
@@ -275,13 +274,14 @@ cdef class ReadBuffer:
 
     cdef int _begin_large(self, Py_ssize_t total) except -1:
         cdef Py_ssize_t have = self._end - self._start
-        large = _large_buffers.take(total)
+        cdef Py_ssize_t size = total + HEADER
+        large = _large_buffers.take(size)
         if large is not None:
             self.reused_large_buffers += 1
         else:
-            large = bytearray(total)
+            large = bytearray(size)
         if have:
-            if have <= total:
+            if have <= size:
                 memcpy(PyByteArray_AS_STRING(large),
                        PyByteArray_AS_STRING(self._block) + self._start, <size_t>have)
             else:  # the pure twin's slice assignment grows the buffer; so does this
@@ -290,6 +290,7 @@ cdef class ReadBuffer:
         self._start = self._end
         self._large = large
         self._large_filled = have
+        self._large_total = total
         return 0
 
     def large_pending(self):
@@ -301,18 +302,33 @@ cdef class ReadBuffer:
 
     cdef object _take_large(self):
         if self._complete is not None:
-            large, self._complete = self._complete, None
-            self._header_only = True
-            _large_buffers.put(large)
-            return memoryview(large)
-        large = self._large
-        if large is None or self._large_filled < len(large):
+            frame, self._complete = self._complete, None
+            return frame
+        if self._large is None or self._large_filled < self._large_total:
             return None
+        return self._finish_large()
+
+    cdef object _finish_large(self):
+        """The complete large frame as a view; the bytes read past it go to the block."""
+        cdef bytearray large = self._large
+        cdef Py_ssize_t total = self._large_total
+        cdef Py_ssize_t spare = self._large_filled - total
         self._large = None
-        self._large_filled = 0
+        self._large_filled = self._large_total = 0
         self._header_only = True
+        if spare:  # the start of the next frame (at most HEADER bytes)
+            if PyByteArray_GET_SIZE(self._block) - self._end < spare:
+                self._new_block()
+            memcpy(PyByteArray_AS_STRING(self._block) + self._end,
+                   PyByteArray_AS_STRING(large) + total, <size_t>spare)
+            self._end += spare
+            self.copied_bytes += spare
         _large_buffers.put(large)
-        return memoryview(large)
+        view = memoryview(large)
+        cdef Py_buffer* b = PyMemoryView_GET_BUFFER(view)
+        b.len = total
+        b.shape[0] = total
+        return view
 
     def pending_bytes(self):
         """Bytes received but not yet consumed (a partial frame)."""
@@ -323,7 +339,7 @@ cdef class ReadBuffer:
         """Drop everything buffered (connection closed)."""
         self._large = None
         self._complete = None
-        self._large_filled = 0
+        self._large_filled = self._large_total = 0
         self._start = self._end = 0
         if not self._unshared() or PyByteArray_GET_SIZE(self._block) != self._block_size:
             self._block = bytearray(self._block_size)

@@ -10,13 +10,16 @@ into memoryviews.
   a handed-out view can see it: data only goes after `end`, and the block is rewound to 0 only
   when nothing is unconsumed and no view of it is alive; otherwise a fresh block is started
   and the unconsumed tail (a partial small frame) is moved there.
-* A frame larger than `large_threshold` gets one exact-size bytearray (`begin_large`): the
-  bytes of it already read are moved there once, and the kernel fills the rest directly, so
-  its payload is one contiguous view with no further copy. Large buffers are reused, through
-  a bounded per-process cache, once no view of them is alive (no fresh pages to fault in). After a
-  large frame the next read at a frame boundary asks the kernel for the 12-byte header only,
-  so a stream of large
-  frames is received with zero copies in user space; `copied_bytes` counts what was moved.
+* A frame larger than `large_threshold` gets a bytearray of its own (`begin_large`), of its
+  size plus HEADER_SIZE: the bytes of it already read are moved there once, and the kernel
+  fills the rest directly, so its payload is one contiguous view with no further copy. The
+  spare HEADER_SIZE bytes at the end let the read that completes the frame bring the next
+  frame's header with it (one read, not a second one for 12 bytes); what landed there is
+  moved to the block when the frame is taken. Large buffers are reused, through a bounded
+  per-process cache, once no view of them is alive (no fresh pages to fault in). After a
+  large frame, reads at a frame boundary ask the kernel for the rest of the 12-byte header
+  only, so a stream of large frames is received with at most 12 bytes per frame copied in
+  user space; `copied_bytes` counts what was moved.
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ class IOBuf:
 class ReadBuffer:
     """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
 
-    __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled",
+    __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled", "_large_total",
                  "_complete", "reused_large_buffers", "_header_only", "large_threshold",
                  "copied_bytes")
 
@@ -176,7 +179,8 @@ class ReadBuffer:
         self._end = 0
         self._large = None
         self._large_filled = 0
-        self._complete = None
+        self._large_total = 0  # the frame's size; the buffer has HEADER_SIZE bytes more
+        self._complete = None  # a complete large frame (a view) parked until taken
         self.reused_large_buffers = 0
         self._header_only = False
         self.large_threshold = large_threshold
@@ -185,13 +189,11 @@ class ReadBuffer:
     # -- kernel side -------------------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._large is not None:
-            if self._large_filled < len(self._large):
+            if self._large_filled < self._large_total:
                 return memoryview(self._large)[self._large_filled:]
             # Complete but not taken yet (a caller feeding before parsing): park it and go on
             # reading into the block.
-            self._complete = self._large
-            self._large = None
-            self._large_filled = 0
+            self._complete = self._finish_large()
         if self._start == self._end and self._unshared():
             self._start = self._end = 0
             if len(self._block) != self._block_size:
@@ -199,10 +201,10 @@ class ReadBuffer:
         free = len(self._block) - self._end
         if free < HEADER_SIZE or (free < self.large_threshold and self._start != self._end):
             self._new_block()
-        if self._header_only and self._start == self._end:
-            # After a large frame: read just the next header, so a following large frame is
-            # received straight into its own buffer.
-            return memoryview(self._block)[self._end:self._end + HEADER_SIZE]
+        if self._header_only and self._end - self._start < HEADER_SIZE:
+            # After a large frame: read just the rest of the next header, so a following large
+            # frame is received straight into its own buffer.
+            return memoryview(self._block)[self._end:self._start + HEADER_SIZE]
         return memoryview(self._block)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -252,17 +254,19 @@ class ReadBuffer:
     def begin_large(self, total: int) -> None:
         """The frame starting at the read position is `total` bytes: give it its own buffer."""
         have = self._end - self._start
-        large = large_buffers.take(total)
+        size = total + HEADER_SIZE
+        large = large_buffers.take(size)
         if large is not None:
             self.reused_large_buffers += 1
         else:
-            large = bytearray(total)
+            large = bytearray(size)
         if have:
             large[:have] = memoryview(self._block)[self._start:self._end]
             self.copied_bytes += have
         self._start = self._end
         self._large = large
         self._large_filled = have
+        self._large_total = total
 
     def large_pending(self) -> bool:
         return self._large is not None or self._complete is not None
@@ -270,18 +274,27 @@ class ReadBuffer:
     def take_large(self) -> memoryview | None:
         """The large frame's buffer once it is complete, else None."""
         if self._complete is not None:
-            large, self._complete = self._complete, None
-            self._header_only = True
-            large_buffers.put(large)
-            return memoryview(large)
-        large = self._large
-        if large is None or self._large_filled < len(large):
+            frame, self._complete = self._complete, None
+            return frame
+        if self._large is None or self._large_filled < self._large_total:
             return None
+        return self._finish_large()
+
+    def _finish_large(self) -> memoryview:
+        """The complete large frame as a view; the bytes read past it go to the block."""
+        large, total, filled = self._large, self._large_total, self._large_filled
         self._large = None
-        self._large_filled = 0
+        self._large_filled = self._large_total = 0
         self._header_only = True
+        spare = filled - total
+        if spare:  # the start of the next frame (at most HEADER_SIZE bytes)
+            if len(self._block) - self._end < spare:
+                self._new_block()
+            self._block[self._end:self._end + spare] = memoryview(large)[total:filled]
+            self._end += spare
+            self.copied_bytes += spare
         large_buffers.put(large)
-        return memoryview(large)
+        return memoryview(large)[:total]
 
     def pending_bytes(self) -> int:
         """Bytes received but not yet consumed (a partial frame)."""
@@ -292,7 +305,7 @@ class ReadBuffer:
         """Drop everything buffered (connection closed)."""
         self._large = None
         self._complete = None
-        self._large_filled = 0
+        self._large_filled = self._large_total = 0
         self._start = self._end = 0
         if not self._unshared() or len(self._block) != self._block_size:
             self._block = bytearray(self._block_size)

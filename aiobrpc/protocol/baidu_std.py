@@ -37,7 +37,7 @@ class Decoder:
     """Turns received bytes into events. `role` is SERVER (requests) or CLIENT (responses)."""
 
     __slots__ = ("_reader", "_event", "_code", "role", "_decode_meta", "_split_payload",
-                 "_kind_strm", "get_buffer", "buffer_updated", "feed", "pending_bytes")
+                 "_kind_strm", "get_buffer", "buffer_updated", "feed", "pending_bytes", "next_frame")
 
     def __init__(self, role: str, max_body_size: int = DEFAULT_MAX_BODY_SIZE, **buffer_options) -> None:
         if role not in (SERVER, CLIENT):
@@ -55,6 +55,7 @@ class Decoder:
         self.buffer_updated = reader.buffer_updated
         self.feed = reader.feed
         self.pending_bytes = reader.pending_bytes
+        self.next_frame = reader.next_frame  # (kind, meta, payload) or None; see event()
 
     @property
     def reader(self):
@@ -65,6 +66,10 @@ class Decoder:
         frame = self._reader.next_frame()
         if frame is None:
             return None
+        return self.event(frame)
+
+    def event(self, frame):
+        """The event of a frame that `next_frame()` returned."""
         kind, meta_view, payload = frame
         if kind == self._kind_strm:
             return StreamFrameReceived(meta_view, payload)

@@ -99,9 +99,10 @@ def feedback_frame(stream_id: int, source_stream_id: int, consumed_size: int) ->
 
 def feedback_frame_from(prefix: bytes, consumed_size: int) -> bytes:
     """feedback_frame(), from the stream's feedback_meta_prefix: only the count is encoded."""
-    fb = b"\x08" + _varint(consumed_size)
-    n = len(prefix) + 1 + len(fb)
-    return _header(n, n) + prefix + bytes((len(fb),)) + fb
+    fb = _varint(consumed_size)
+    n = len(prefix) + 2 + len(fb)
+    size = n.to_bytes(4, "big")
+    return MAGIC + size + size + prefix + bytes((len(fb) + 1, 0x08)) + fb
 
 
 def close_frame(stream_id: int, source_stream_id: int) -> bytes:

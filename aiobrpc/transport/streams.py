@@ -30,7 +30,7 @@ class StreamTable:
     """`streams` maps local stream id -> endpoint (an aiobrpc.Stream); `stats` is the owner's
     counters (ClientStats or ServerStats: `stream_frames_dropped`)."""
 
-    __slots__ = ("conn", "streams", "stats", "awaiting_gone", "_data_routes")
+    __slots__ = ("conn", "streams", "stats", "awaiting_gone", "_data_routes", "_feedback_routes")
 
     def __init__(self, conn, stats) -> None:
         self.conn = conn
@@ -43,6 +43,12 @@ class StreamTable:
         # two metas, so most frames are routed without decoding protobuf. Cleared whenever a
         # stream leaves, so it never routes to an ended stream; at most _MAX_ROUTES entries.
         self._data_routes: dict = {}
+        # FEEDBACK meta prefixes (feedback_meta_prefix as the peer writes it to us) -> stream: a
+        # FEEDBACK in protobuf's canonical encoding is read without decoding protobuf. Cleared
+        # with the DATA routes.
+        self._feedback_routes: dict = {}
+        # Segments of a long message are written while at most one segment is queued before them.
+        conn.pace_writes(streaming.DEFAULT_MAX_SEGMENT_SIZE)
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -53,6 +59,7 @@ class StreamTable:
     def remove(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
         self._data_routes.clear()
+        self._feedback_routes.clear()
 
     def response_abandoned(self, stream_id: int) -> None:
         """Client: the call of first stream `stream_id` ended before its response came."""
@@ -67,6 +74,17 @@ class StreamTable:
         if route is not None:
             route[0]._on_data(ev.payload, route[1])
             return
+        # A FEEDBACK: prefix, then field 5 {1: consumed_size} as `L 08 varint` (L <= 11). The
+        # bytes 18 04 2a (type FEEDBACK, field 5) cannot occur after the prefix: of a varint's
+        # bytes only the last has its high bit clear, and L and 08 differ from 18.
+        cut = key.rfind(b"\x18\x04\x2a") + 3
+        if cut > 3 and not len(ev.payload):
+            stream = self._feedback_routes.get(key[:cut])
+            if stream is not None:
+                consumed = _feedback_value(key, cut)
+                if consumed is not None:
+                    stream._on_feedback(consumed)
+                    return
         try:
             meta = _decode_frame_meta(key)
         except RemoteProtocolError as e:
@@ -93,6 +111,11 @@ class StreamTable:
                 self._dropped("%s: ignored the %s-byte payload of a FEEDBACK frame for stream %s",
                               len(ev.payload), meta.stream_id)
             if meta.consumed_size is not None:
+                if meta.source_stream_id is not None:
+                    routes = self._feedback_routes
+                    if len(routes) >= _MAX_ROUTES:
+                        routes.clear()
+                    routes[streaming.feedback_meta_prefix(meta.stream_id, meta.source_stream_id)] = stream
                 stream._on_feedback(meta.consumed_size)
         elif ftype == _CLOSE:
             stream._on_close()
@@ -115,5 +138,30 @@ class StreamTable:
         """The connection is gone: every stream on it ends with `code` (nothing is sent)."""
         streams, self.streams = self.streams, {}
         self._data_routes.clear()
+        self._feedback_routes.clear()
         for stream in list(streams.values()):
             stream._end(code, text)
+
+
+def _feedback_value(meta: bytes, cut: int):
+    """consumed_size of a FEEDBACK meta whose `L 08 varint` starts at `cut`, when those bytes
+    are exactly that (the varint int64, as protobuf reads it), else None."""
+    n = len(meta) - cut
+    if n < 3 or n > 12 or meta[cut] != n - 1 or meta[cut + 1] != 0x08:
+        return None
+    value = shift = 0
+    last = len(meta) - 1
+    for i in range(cut + 2, last):
+        b = meta[i]
+        if b < 0x80:
+            return None
+        value |= (b & 0x7F) << shift
+        shift += 7
+    b = meta[last]
+    if b >= 0x80:
+        return None
+    value = (value | (b << shift)) & _U64
+    return value - (1 << 64) if value >> 63 else value
+
+
+_U64 = (1 << 64) - 1

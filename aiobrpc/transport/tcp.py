@@ -69,6 +69,9 @@ class FramedConnection(asyncio.BufferedProtocol):
     def __init__(self, role: str, max_body_size: int,
                  max_unwritten_bytes: int = DEFAULT_MAX_UNWRITTEN_BYTES) -> None:
         self.decoder = Decoder(role, max_body_size)
+        # The kernel side asks for a buffer once per read: the decoder's own method, with no
+        # Python frame of ours in between (get_buffer below documents it).
+        self.get_buffer = self.decoder.get_buffer
         self.max_body_size = max_body_size
         self.streams = None  # a StreamTable, made by the first stream on this connection
         self.write_paused = False
@@ -115,12 +118,13 @@ class FramedConnection(asyncio.BufferedProtocol):
     def process_events(self) -> None:
         """Hand every complete buffered event to `event_received` (until `hold_events`)."""
         decoder = self.decoder
+        next_frame = decoder.next_frame
         try:
             while not self.is_closed and not self.hold_events:
-                ev = decoder.next_event()
-                if ev is None:
+                frame = next_frame()  # most reads complete no frame: no Python frame for those
+                if frame is None:
                     break
-                self.event_received(ev)
+                self.event_received(decoder.event(frame))
         except RemoteProtocolError as e:
             self.protocol_error(e)
         except Exception as e:  # a bug of ours: this connection closes, named, the others go on
@@ -177,12 +181,14 @@ class FramedConnection(asyncio.BufferedProtocol):
         """Whether `nbytes` more may be queued without passing max_unwritten_bytes."""
         return self.unwritten_bytes() + nbytes <= self.max_unwritten_bytes
 
-    def write(self, buffers: list, nbytes: int = -1, alone: bool = False) -> None:
+    def write(self, buffers: list, nbytes: int = -1, alone: bool = False, now: bool = False) -> None:
         """Queue one message's buffers; they go out at the end of this loop iteration.
 
         `alone`: the caller knows no other message is coming now (one call in flight), so
         waiting for more to coalesce would only add a loop iteration of latency: it goes out
-        at once unless something is already queued.
+        at once unless something is already queued. `now`: it goes out at once, after what is
+        queued (a large stream message: its bytes pay for the syscall, and waiting a loop
+        iteration to batch it would only add a wake-up).
         """
         if self.is_closed:
             return
@@ -190,6 +196,9 @@ class FramedConnection(asyncio.BufferedProtocol):
             nbytes = buffers_size(buffers)
         self._out.extend(buffers)
         self._out_bytes += nbytes
+        if now:  # held replies of this read, if any, go out first: the order is kept
+            self._flush()
+            return
         if self.batching_writes:
             return
         if alone and not self._flush_scheduled:
@@ -226,9 +235,17 @@ class FramedConnection(asyncio.BufferedProtocol):
         if small:
             self.transport.write(b"".join(small) if len(small) > 1 else small[0])
 
+    def pace_writes(self, low_water: int) -> None:
+        """Let `wait_flushed` return once the transport holds at most `low_water` bytes (its
+        buffer limits become `low_water`), not only once it has almost drained: a writer of
+        pieces of `low_water` bytes then waits only while more than one piece is queued."""
+        if self.transport is not None and not self.is_closed:
+            self.transport.set_write_buffer_limits(high=low_water, low=low_water)
+
     async def wait_flushed(self) -> None:
         """Wait until what is queued went to the transport and the transport is not paused
-        (its buffer is below its low-water mark). ConnectionError once the connection closed."""
+        (its buffer is below its low-water mark, see pace_writes). ConnectionError once the
+        connection closed."""
         while True:
             if self.is_closed:
                 raise ConnectionError(f"connection to {self.peer} is closed")

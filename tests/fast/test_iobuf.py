@@ -326,16 +326,44 @@ def test_large_frames_are_received_into_exact_size_buffers(size):
 
     for (kind, m, payload), wire in ((f1, first), (f2, second)):
         assert kind == _fast.KIND_PRPC and bytes(m) == meta
-        assert type(payload.obj) is bytearray and len(payload.obj) == HEADER + size
+        # the frame's own buffer, with room for the next header at its end
+        assert type(payload.obj) is bytearray and len(payload.obj) == HEADER + size + HEADER
         assert payload.obj is m.obj
         assert payload.nbytes == size - len(meta) and bytes(payload) == wire[HEADER + len(meta):]
     assert f1[2].obj is not f2[2].obj
     # The first frame's first read landed in the shared block and was moved once.
     assert 0 < copied_first <= KERNEL_READ
-    # After a large frame the next header is read on its own, so the second body goes from the
-    # kernel straight into its own buffer; at most the 12 header bytes are moved.
+    # The read that completes a large frame brings the next header (into the frame's spare
+    # bytes), so the second body goes from the kernel straight into its own buffer; at most
+    # the 12 header bytes are moved.
     assert copied_second <= HEADER
     assert reader.pending_bytes() == 0
+
+
+def test_a_read_that_completes_a_large_frame_brings_the_next_header():
+    # A kernel with everything ready fills whatever it is offered. Once a large frame has its
+    # own buffer, the read that completes it brings the next frame's header in the spare bytes
+    # at the end of that buffer: one read per large frame. Each header is moved twice (to the
+    # block, then into its frame's buffer): 24 bytes per frame.
+    size, n = 300_000, 5
+    wire = b"".join(frame(b"m", pattern(size, i)) for i in range(n)) + frame(b"s", b"tiny")
+    reader = _fast.FrameReader()
+    got, reads = [], []
+    pos = 0
+    while pos < len(wire):
+        buf = reader.get_buffer(-1)
+        k = min(len(buf), len(wire) - pos)
+        reads.append(k)
+        buf[:k] = wire[pos:pos + k]
+        del buf
+        reader.buffer_updated(k)
+        pos += k
+        while (f := reader.next_frame()) is not None:
+            got.append(bytes(f[2]))
+    assert got == [pattern(size, i) for i in range(n)] + [b"tiny"]
+    # the block's first read, then one read per large frame, then the small frame's rest
+    assert len(reads) == 1 + n + 1, reads
+    assert reader.rbuf.copied_bytes == reads[0] + (n - 1) * 2 * HEADER + HEADER
 
 
 @pytest.fixture
@@ -411,8 +439,8 @@ def test_complete_large_frame_leaves_room_for_the_next_read():
     reader.feed(big[:100])
     assert reader.next_frame() is None
     buf = reader.get_buffer(-1)
-    assert len(buf) == len(big) - 100
-    buf[:] = big[100:]
+    assert len(buf) == len(big) - 100 + HEADER  # the rest, and room for the next header
+    buf[:len(big) - 100] = big[100:]
     del buf
     reader.buffer_updated(len(big) - 100)
     assert len(reader.get_buffer(-1)) > 0
@@ -441,7 +469,7 @@ def test_pending_bytes_counts_a_partial_large_frame_and_clear_drops_it():
     block_room = len(reader.get_buffer(-1))
     kernel(reader, msg[:3 * KERNEL_READ])
     assert reader.pending_bytes() == 3 * KERNEL_READ
-    assert len(reader.get_buffer(-1)) == HEADER + size - 3 * KERNEL_READ  # the frame's own buffer
+    assert len(reader.get_buffer(-1)) == HEADER + size - 3 * KERNEL_READ + HEADER  # the frame's own buffer
     reader.rbuf.clear()
     assert reader.pending_bytes() == 0
     assert len(reader.get_buffer(-1)) == block_room  # back to the shared block
