@@ -50,7 +50,7 @@ CLOSE_DRAIN_S = 1.0
 class _Flight:
     """A collective in progress: its state machine, calls in flight, segments waiting to go."""
 
-    __slots__ = ("op", "seq", "future", "inflight", "queue", "group", "threaded")
+    __slots__ = ("op", "seq", "future", "inflight", "queue", "group", "threaded", "taking")
 
     def __init__(self, group: Group, op: ops.RingOp, seq: int, threaded: bool) -> None:
         self.group = group
@@ -63,6 +63,9 @@ class _Flight:
         # Its segments are taken (reduced, copied) on the group's reduce thread, one at a time
         # in arrival order, so the loop keeps reading and writing meanwhile.
         self.threaded = threaded
+        # Segments on the reduce thread now: the op counts one as received before taking it,
+        # so until it returns what it emits may still be missing from the queue.
+        self.taking = 0
 
     def emit(self, step: int, segment: int, data: np.ndarray) -> None:
         self.queue.append((step, segment, data))
@@ -342,7 +345,8 @@ class Group:
         self._check_done(flight)
 
     def _check_done(self, flight: _Flight) -> None:
-        if flight.op.complete and not flight.inflight and not flight.queue and not flight.future.done():
+        if (flight.op.complete and not flight.inflight and not flight.taking and not flight.queue
+                and not flight.future.done()):
             flight.future.set_result(None)
 
     # -- receiving -----------------------------------------------------------------------------
@@ -374,8 +378,12 @@ class Group:
         else:
             try:
                 if flight.threaded:
-                    await self._loop.run_in_executor(self._reducer_pool(), op.receive, req.step,
-                                                     req.segment, attachment)
+                    flight.taking += 1
+                    try:
+                        await self._loop.run_in_executor(self._reducer_pool(), op.receive, req.step,
+                                                         req.segment, attachment)
+                    finally:
+                        flight.taking -= 1
                     self._pump(flight)
                 else:
                     op.receive(req.step, req.segment, attachment)
