@@ -103,7 +103,7 @@ class Group:
     """
 
     def __init__(self, rank: int, world_size: int, *, timeout: float = 300.0,
-                 segment_bytes: int = 8 << 20, window: int = 2, thread_bytes: int = 256 << 10) -> None:
+                 segment_bytes: int = 8 << 20, window: int = 2, thread_bytes: int = 4 << 20) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
