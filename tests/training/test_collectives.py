@@ -2,7 +2,8 @@
 fails the others within the timeout, named.
 
 Each rank is a child process running this test's twin (AIOBRPC_NO_EXTENSIONS) on the loop the
-test names (asyncio or uvloop).
+test names (asyncio or uvloop). On uvloop every segment is taken on the group's reduce thread
+(thread_bytes=0), on asyncio on the loop: both paths meet numpy and the failure tests.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import time
 
 import pytest
 
-from tests.training.procs import child_env, finish, start_ranks
+from tests.training.procs import child_env as _child_env
+from tests.training.procs import finish, start_ranks
+
+
+def child_env(loop: str, **extra: str) -> dict[str, str]:
+    return _child_env(loop, AIOBRPC_TEST_THREAD_BYTES="0" if loop == "uvloop" else str(1 << 40), **extra)
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

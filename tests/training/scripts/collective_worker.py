@@ -1,5 +1,7 @@
 """One rank of a test group. argv: scenario rank world store_dir; the twin and the loop come
-from the environment (AIOBRPC_NO_EXTENSIONS, AIOBRPC_TEST_LOOP), as the parent test runs.
+from the environment (AIOBRPC_NO_EXTENSIONS, AIOBRPC_TEST_LOOP), as the parent test runs, and
+so does the group's thread_bytes (AIOBRPC_TEST_THREAD_BYTES; 0 takes every segment on the
+reduce thread).
 
 check: every collective against numpy, over sizes that do not divide evenly; prints "ok".
 loop: all_reduce until one fails; prints {"error": ..., "ranks": [...], "after_s": ...} (the
@@ -93,8 +95,9 @@ def fail_loop(g: GroupThread) -> None:
 def main() -> None:
     scenario, rank, world, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     timeout = float(os.environ.get("AIOBRPC_TEST_TIMEOUT", "30"))
+    thread_bytes = int(os.environ.get("AIOBRPC_TEST_THREAD_BYTES", 256 << 10))
     with GroupThread(FileStore(path, timeout=30), rank, world, timeout=timeout, segment_bytes=4096,
-                     loop_factory=loop_factory) as g:
+                     thread_bytes=thread_bytes, loop_factory=loop_factory) as g:
         {"check": check, "loop": fail_loop}[scenario](g)
 
 
