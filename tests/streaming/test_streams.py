@@ -12,7 +12,21 @@ import pytest
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
+from tests.helpers.interop_server import running_echo
 from tests.streaming.conftest import MIB, channel_stream_count, open_stream, stream_pair
+
+
+class AcceptingServicer(aiobrpc.Servicer):
+    """Accepts every offered stream and keeps it in `accepted`, for the test to drive."""
+
+    SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
+
+    def __init__(self) -> None:
+        self.accepted: list = []
+
+    async def StartStream(self, request, cntl):
+        self.accepted.append(aiobrpc.Stream.accept(cntl))
+        return interop_pb2.EchoResponse(message="ok")
 
 Req = interop_pb2.EchoRequest
 
@@ -179,7 +193,6 @@ async def test_a_slow_reader_holds_the_writer_back():
             aiobrpc.Stream.accept(cntl, handler=Slow(), messages_in_batch=1)
             return interop_pb2.EchoResponse(message="ok")
 
-    from tests.helpers.interop_server import running_echo
     async with running_echo(servicer=Servicer()) as (server, _):
         channel = aiobrpc.Channel(server.address)
         stub = aiobrpc.Stub(channel, Servicer.SERVICE)
@@ -203,19 +216,11 @@ def _rss() -> int:
 
 
 async def test_the_window_blocks_and_feedback_reopens_it():
-    accepted = []
-
-    class Servicer(aiobrpc.Servicer):
-        SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
-
-        async def StartStream(self, request, cntl):
-            accepted.append(aiobrpc.Stream.accept(cntl))
-            return interop_pb2.EchoResponse(message="ok")
-
-    from tests.helpers.interop_server import running_echo
-    async with running_echo(servicer=Servicer()) as (server, _):
+    servicer = AcceptingServicer()
+    accepted = servicer.accepted
+    async with running_echo(servicer=servicer) as (server, _):
         channel = aiobrpc.Channel(server.address)
-        stub = aiobrpc.Stub(channel, Servicer.SERVICE)
+        stub = aiobrpc.Stub(channel, AcceptingServicer.SERVICE)
         stream, _ = await open_stream(stub, max_buf_size=1000)
         await stream.write(bytes(600))
         await stream.write(bytes(600))  # 600 < 1000: accepted, now 1200 outstanding
@@ -253,19 +258,11 @@ async def test_close_by_the_client_ends_both_ends_once(echo_pair):
 
 
 async def test_close_by_the_server_ends_the_clients_reader_and_writer():
-    accepted = []
-
-    class Servicer(aiobrpc.Servicer):
-        SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
-
-        async def StartStream(self, request, cntl):
-            accepted.append(aiobrpc.Stream.accept(cntl))
-            return interop_pb2.EchoResponse(message="ok")
-
-    from tests.helpers.interop_server import running_echo
-    async with running_echo(servicer=Servicer()) as (server, _):
+    servicer = AcceptingServicer()
+    accepted = servicer.accepted
+    async with running_echo(servicer=servicer) as (server, _):
         channel = aiobrpc.Channel(server.address)
-        stub = aiobrpc.Stub(channel, Servicer.SERVICE)
+        stub = aiobrpc.Stub(channel, AcceptingServicer.SERVICE)
         stream, _ = await open_stream(stub, max_buf_size=10)
         await accepted[0].write(b"last words")
         await stream.write(bytes(100))
@@ -394,7 +391,6 @@ async def test_accept_from_a_thread_handler_is_refused():
                 errors_seen.append(str(e))
             return interop_pb2.EchoResponse(message="ok")
 
-    from tests.helpers.interop_server import running_echo
     async with running_echo(servicer=Servicer()) as (server, _):
         channel = aiobrpc.Channel(server.address)
         stub = aiobrpc.Stub(channel, Servicer.SERVICE)
