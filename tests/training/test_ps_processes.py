@@ -52,7 +52,9 @@ def test_two_worker_processes_converge(env, mode):
     lines = r.stdout.splitlines()
     assert lines[0] == f"mode {mode}, 2 workers, 2 shards"
     first, last = [list(map(float, line.split()[1:])) for line in (lines[2], lines[-1])]
-    assert all(b < a / 20 for a, b in zip(first, last)), r.stdout
+    # The worker that pulls first starts from the untrained weights; in the async and bounded
+    # modes the other may start from weights already trained, so compare with the larger.
+    assert max(last) < max(first) / 20, r.stdout
 
 
 def test_a_killed_shard_started_again_is_reported_and_the_worker_resumes(env):
