@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 _new_task = asyncio.Task
 _current_task = asyncio.current_task
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
-_INLINE = not _EAGER  # before 3.12: run_inline does what eager tasks do
+# 3.11: run_inline does what eager tasks do. 3.10: a Task per request (run_inline hands a
+# suspended coroutine to a Task made with `context=`, which 3.10's Task does not take).
+_INLINE = sys.version_info[:2] == (3, 11)
 _refuse_log = RateLimitedLog()
 _CLOSE_GRACE_SEC = 1.0  # join() without a timeout: how long peers get to read their last replies
 
