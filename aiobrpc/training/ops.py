@@ -12,6 +12,7 @@ while they may still be in flight.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Callable
 
 import numpy as np
@@ -27,7 +28,7 @@ KIND_NAMES = {ALL_REDUCE: "all_reduce", REDUCE_SCATTER: "reduce_scatter", ALL_GA
 Emit = Callable[[int, int, np.ndarray], None]
 
 
-class RingOp:
+class RingOp(ABC):
     """Common bookkeeping: which (step, segment) pairs are expected and which arrived."""
 
     kind = 0
@@ -51,8 +52,9 @@ class RingOp:
     def complete(self) -> bool:
         return self.received == self.expected
 
+    @abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Emit what this rank sends first."""
 
     def receive(self, step: int, segment: int, data) -> None:
         """Take one segment from the left neighbour; ValueError names what does not fit."""
@@ -68,11 +70,13 @@ class RingOp:
         self.received += 1
         self._take(step, segment, a, b, incoming)
 
+    @abstractmethod
     def _target(self, step: int, segment: int) -> tuple[int, int, np.dtype]:
-        raise NotImplementedError
+        """Where segment `segment` of step `step` lands: (first, end) elements and dtype."""
 
+    @abstractmethod
     def _take(self, step: int, segment: int, a: int, b: int, incoming: np.ndarray) -> None:
-        raise NotImplementedError
+        """Use a received segment (reduce or copy it) and emit what follows from it."""
 
     def _emit_chunk(self, step: int, chunk: int, source: np.ndarray) -> None:
         lay = self.layout

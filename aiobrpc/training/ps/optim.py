@@ -15,6 +15,7 @@ different rates are corrected by their own counts, as torch's SparseAdam does).
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ def _check_number(name: str, v: Any, *, low: float, high: float = math.inf, open
     return float(v)
 
 
-class Optimizer:
+class Optimizer(ABC):
     """The update rule of a parameter server. Subclasses: `Sum`, `SGD`, `Adam`."""
 
     state_copies = 0  # arrays of a key's size in its state (for the server's max_bytes)
@@ -40,9 +41,9 @@ class Optimizer:
         """The state this rule keeps for a key holding `value`."""
         return None
 
+    @abstractmethod
     def apply(self, value: np.ndarray, grad: np.ndarray, state: Any, rows: np.ndarray | None = None) -> None:
         """Update `value` (or its `rows`, distinct int64 ids) in place with `grad`."""
-        raise NotImplementedError
 
 
 class Sum(Optimizer):
