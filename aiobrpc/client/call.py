@@ -194,6 +194,10 @@ class Call:
                 conn = await att.pool.connect(self.loop, self.deadline, self.ctype)
             except RpcError as e:
                 att.task = None
+                if e.code == ERPCTIMEDOUT and not self.finished and not att.done:
+                    # The deadline passed while connecting: the connect's own wait saw it before
+                    # the call's timer did; it is the call's timeout all the same.
+                    self.channel.stats.timeouts += 1
                 self._ended(att, None, e)
                 return
             except asyncio.CancelledError:

@@ -21,6 +21,7 @@ import uvloop
 
 import aiobrpc
 from aiobrpc import errors
+from aiobrpc.client import channel as channel_module
 from aiobrpc.client import pool as pool_module
 from aiobrpc.client.lb import RoundRobinLoadBalancer, register_load_balancer
 from aiobrpc.client.naming import ServerNode
@@ -97,6 +98,29 @@ async def test_a_connect_that_raises_anything_ends_the_call(cluster, monkeypatch
     err = await ends(fails(stub.Echo(Req(message="x"))))
     assert err.code == errors.EINTERNAL and err.text == "Internal error of the call: RuntimeError('boom')"
     assert [r.exc_info[0] for r in caplog.records if r.levelno == logging.ERROR] == [RuntimeError]
+
+
+class LateWheel(channel_module.TimerWheel):
+    """The channel's timers fire 20 ms late: the connect's own wait sees the deadline first."""
+
+    def add(self, when: float, entry) -> int:
+        return super().add(when + 0.02, entry)
+
+
+@pytest.mark.parametrize("late_timer", [False, True])
+async def test_calls_that_time_out_while_connecting_are_counted_as_timeouts(cluster, monkeypatch, late_timer):
+    """Whichever sees the deadline first (the shared connect's wait or the call's timer), the
+    call ends with ERPCTIMEDOUT and `stats.timeouts` counts it (CI once saw 19,750 of 20,000)."""
+    if late_timer:
+        monkeypatch.setattr(channel_module, "TimerWheel", LateWheel)
+    srv = await cluster.start()
+    cred = BlockedCredential()
+    channel, stub = cluster.channel([srv], timeout_ms=30, auth=cred)
+    results = await ends(asyncio.gather(*[stub.Echo(Req(message=f"c{i}")) for i in range(50)],
+                                        return_exceptions=True))
+    assert {getattr(r, "code", r) for r in results} == {errors.ERPCTIMEDOUT}
+    assert channel.stats.timeouts == 50 and channel.pending_calls() == 0
+    await channel.close()
 
 
 # -- closing the channel ends its calls at once, without retries ---------------------------------
