@@ -303,6 +303,13 @@ class Stream:
                 else:
                     raise self._write_error()
             self.produced += n
+            conn = self._conn
+            if n <= self._segment_size and conn.writable(n):  # the usual wake-up: no coroutine more
+                head = self._last_head
+                if head[0] != n:
+                    head = self._last_head = (n, streaming.data_head(self._data_meta, n))
+                conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
+                return
             await self._send(view, n)
 
     async def _send(self, view: memoryview, n: int) -> None:
@@ -394,12 +401,13 @@ class Stream:
             finally:
                 self._reader = None
 
-    def _consume(self, n: int) -> None:
+    def _consume(self, n: int, schedule_feedback: bool = True) -> None:
         self._unconsumed -= n
         self.consumed += n
         if self._idle_handle is not None:
             self._last_active = self._loop.time()
-        if self._peer_need_feedback and not self._feedback_scheduled and self._state == _CONNECTED:
+        if (schedule_feedback and self._peer_need_feedback and not self._feedback_scheduled
+                and self._state == _CONNECTED):
             self._feedback_scheduled = True
             self._loop.call_soon(self._send_feedback)  # one FEEDBACK for what is consumed this turn
 
@@ -602,9 +610,11 @@ class Stream:
                 n = 0
                 for m in batch:
                     n += len(m)
-                self._consume(n)
                 if not queue and self._peer_need_feedback:
+                    self._consume(n, False)
                     self._send_feedback()  # all read: report it now, not a loop iteration later
+                else:
+                    self._consume(n)
         except asyncio.CancelledError:
             self._end(ECANCELED, "the stream's handler was cancelled", _SEND_RST)
             self._notify_end()

@@ -11,18 +11,20 @@ share it, as do the baselines):
 * unary: Echo calls carrying the message as the request attachment, 4 in flight, with an
   empty response.
 
-Each figure is MB/s (10^6 bytes) over `--seconds` after a short warm-up; ratios are against raw
-measured in the same run. `--clock cpu` divides by the process's CPU time instead of the wall
+Each figure is MB/s (10^6 bytes) over `--seconds` after a short warm-up, the median of
+`--rounds` rounds; ratios are against raw measured in the same round (the median of the rounds'
+ratios, with their range: the machine's noise). `--clock cpu` divides by the process's CPU time instead of the wall
 clock: everything runs on one thread, so that is the work done per byte, and it holds still on
 a machine whose cores other processes share.
 
-    python bench/stream_bench.py [--loop asyncio] [--seconds 2] [--max-buf-size N] [--clock cpu]
+    python bench/stream_bench.py [--loop asyncio] [--seconds 1] [--rounds 5] [--max-buf-size N] [--clock cpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -171,37 +173,50 @@ async def _measure(pump, counter: list, seconds: float) -> float:
     return (counter[0] - start_bytes) / (_clock() - start) / 1e6
 
 
-async def run(seconds: float, max_buf_size: int) -> list:
+async def run(seconds: float, max_buf_size: int, rounds: int) -> list:
+    """Per size, `rounds` rounds of raw, stream and unary one after the other: each figure is the
+    median of its rounds, each ratio the median of the ratios of one round (a round's three
+    figures share the machine's state of that moment)."""
     rows = []
     for name, size in SIZES:
-        r = await raw(size, seconds)
-        s = await stream(size, seconds, max_buf_size)
-        u = await unary(size, seconds)
-        rows.append((name, r, s, u))
+        rates: list[tuple[float, float, float]] = []
+        for _ in range(rounds):
+            r = await raw(size, seconds)
+            s = await stream(size, seconds, max_buf_size)
+            u = await unary(size, seconds)
+            rates.append((r, s, u))
+        rows.append((name, *(statistics.median(col) for col in zip(*rates)),
+                     statistics.median(s / r for r, s, _ in rates),
+                     statistics.median(u / r for r, _, u in rates),
+                     min(s / r for r, s, _ in rates), max(s / r for r, s, _ in rates)))
     return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--seconds", type=float, default=1.0, help="length of one measurement")
+    p.add_argument("--rounds", type=int, default=5, help="measurements of each kind per size")
     p.add_argument("--max-buf-size", type=int, default=2 * 1024 * 1024, help="the stream's window")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="divide by wall time or by this process's CPU time")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.seconds <= 0:
+        p.error("--rounds must be at least 1 and --seconds positive")
     global _clock
     _clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.loop == "uvloop":
         import uvloop
-        rows = uvloop.run(run(args.seconds, args.max_buf_size))
+        rows = uvloop.run(run(args.seconds, args.max_buf_size, args.rounds))
     else:
-        rows = asyncio.run(run(args.seconds, args.max_buf_size))
+        rows = asyncio.run(run(args.seconds, args.max_buf_size, args.rounds))
     print(f"loop={args.loop} implementation={aiobrpc.implementation()} seconds={args.seconds} "
-          f"max_buf_size={args.max_buf_size} clock={args.clock}")
-    print("| message | raw socket MB/s | stream MB/s | unary (attachment) MB/s | stream / raw | unary / raw |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, r, s, u in rows:
-        print(f"| {name} | {r:.0f} | {s:.0f} | {u:.0f} | {s / r:.2f} | {u / r:.2f} |")
+          f"rounds={args.rounds} max_buf_size={args.max_buf_size} clock={args.clock}")
+    print("| message | raw socket MB/s | stream MB/s | unary (attachment) MB/s | stream / raw "
+          "| (min..max) | unary / raw |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r, s, u, sr, ur, lo, hi in rows:
+        print(f"| {name} | {r:.0f} | {s:.0f} | {u:.0f} | {sr:.2f} | {lo:.2f}..{hi:.2f} | {ur:.2f} |")
 
 
 if __name__ == "__main__":

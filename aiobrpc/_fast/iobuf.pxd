@@ -9,7 +9,7 @@ cdef class IOBuf:
 cdef class ReadBuffer:
     # Invariant: 0 <= _start <= _end <= len(_block) (_block_size, or more after a feed of
     # many frames at once), and 0 <= _large_filled <= len(_large) for a pending large frame,
-    # whose buffer is _large_total + HEADER bytes (or more, after a direct begin_large()).
+    # whose buffer is _large_total + HEADER + 64 bytes (or more, after a direct begin_large()).
     # Every method that moves these checks its input.
     cdef bytearray _block
     cdef Py_ssize_t _block_size
@@ -18,6 +18,7 @@ cdef class ReadBuffer:
     cdef bytearray _large
     cdef Py_ssize_t _large_filled
     cdef Py_ssize_t _large_total
+    cdef Py_ssize_t _large_pad  # where the frame starts in _large (it ends 64-byte aligned)
     cdef object _complete  # a complete large frame (a memoryview) parked until taken
     cdef public long long reused_large_buffers
     cdef bint _header_only

@@ -31,6 +31,9 @@ DEFAULT_BLOCK_SIZE = 256 * 1024
 DEFAULT_LARGE_THRESHOLD = 64 * 1024
 LARGE_CACHE_MAX_BYTES = 64 * 1024 * 1024
 LARGE_CACHE_MAX_BUFFERS = 16
+cdef enum:
+    _ALIGN = 64
+LARGE_ALIGN = _ALIGN
 
 
 cdef class LargeBufferCache:
@@ -164,6 +167,16 @@ cdef class IOBuf:
         self._size = 0
 
 
+cdef object _narrow(object view, Py_ssize_t start, Py_ssize_t n):
+    # view[start:start + n] of a fresh 1-D byte memoryview nobody else has seen: slicing
+    # would make another view; this edits the new view's own Py_buffer, as slicing does.
+    cdef Py_buffer* b = PyMemoryView_GET_BUFFER(view)
+    b.buf = <char*>b.buf + start
+    b.len = n
+    b.shape[0] = n
+    return view
+
+
 cdef class ReadBuffer:
     """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
 
@@ -178,6 +191,7 @@ cdef class ReadBuffer:
         self._large = None
         self._large_filled = 0
         self._large_total = 0
+        self._large_pad = 0
         self._complete = None
         self.reused_large_buffers = 0
         self._header_only = False
@@ -192,7 +206,8 @@ cdef class ReadBuffer:
         cdef Py_ssize_t free
         if self._large is not None:
             if self._large_filled < self._large_total:
-                return memoryview(self._large)[self._large_filled:]
+                return _narrow(memoryview(self._large), self._large_pad + self._large_filled,
+                               self._large_total + HEADER - self._large_filled)
             # Complete but not taken yet (a caller feeding before parsing): park it and go on
             # reading into the block.
             self._complete = self._finish_large()
@@ -213,7 +228,7 @@ cdef class ReadBuffer:
         self._buffer_updated(nbytes)
 
     cdef int _buffer_updated(self, Py_ssize_t nbytes) except -1:
-        cdef Py_ssize_t room = (len(self._large) - self._large_filled if self._large is not None
+        cdef Py_ssize_t room = (self._large_total + HEADER - self._large_filled if self._large is not None
                                 else PyByteArray_GET_SIZE(self._block) - self._end)
         if nbytes < 0 or nbytes > room:
             raise LocalProtocolError(
@@ -274,19 +289,28 @@ cdef class ReadBuffer:
 
     cdef int _begin_large(self, Py_ssize_t total) except -1:
         cdef Py_ssize_t have = self._end - self._start
-        cdef Py_ssize_t size = total + HEADER
+        cdef Py_ssize_t size = total + HEADER + _ALIGN
+        cdef Py_ssize_t pad = 0
         large = _large_buffers.take(size)
         if large is not None:
             self.reused_large_buffers += 1
         else:
             large = bytearray(size)
-        if have:
+        if have > total + HEADER:  # only a direct begin_large() with a made-up total
             if have <= size:
                 memcpy(PyByteArray_AS_STRING(large),
                        PyByteArray_AS_STRING(self._block) + self._start, <size_t>have)
             else:  # the pure twin's slice assignment grows the buffer; so does this
                 large[:have] = memoryview(self._block)[self._start:self._end]
-            self.copied_bytes += have
+        else:
+            # The frame ends LARGE_ALIGN-aligned, so its attachment (the frame's end) starts
+            # aligned to its size's power of two (iobuf_py's docstring).
+            pad = <Py_ssize_t>((-<size_t>(<size_t>PyByteArray_AS_STRING(large) + <size_t>total)) % _ALIGN)
+            if have:
+                memcpy(PyByteArray_AS_STRING(large) + pad,
+                       PyByteArray_AS_STRING(self._block) + self._start, <size_t>have)
+        self.copied_bytes += have
+        self._large_pad = pad
         self._start = self._end
         self._large = large
         self._large_filled = have
@@ -313,6 +337,7 @@ cdef class ReadBuffer:
         cdef bytearray large = self._large
         cdef Py_ssize_t total = self._large_total
         cdef Py_ssize_t spare = self._large_filled - total
+        cdef Py_ssize_t pad = self._large_pad
         self._large = None
         self._large_filled = self._large_total = 0
         self._header_only = True
@@ -320,15 +345,11 @@ cdef class ReadBuffer:
             if PyByteArray_GET_SIZE(self._block) - self._end < spare:
                 self._new_block()
             memcpy(PyByteArray_AS_STRING(self._block) + self._end,
-                   PyByteArray_AS_STRING(large) + total, <size_t>spare)
+                   PyByteArray_AS_STRING(large) + pad + total, <size_t>spare)
             self._end += spare
             self.copied_bytes += spare
         _large_buffers.put(large)
-        view = memoryview(large)
-        cdef Py_buffer* b = PyMemoryView_GET_BUFFER(view)
-        b.len = total
-        b.shape[0] = total
-        return view
+        return _narrow(memoryview(large), pad, total)
 
     def pending_bytes(self):
         """Bytes received but not yet consumed (a partial frame)."""

@@ -15,7 +15,11 @@ into memoryviews.
   fills the rest directly, so its payload is one contiguous view with no further copy. The
   spare HEADER_SIZE bytes at the end let the read that completes the frame bring the next
   frame's header with it (one read, not a second one for 12 bytes); what landed there is
-  moved to the block when the frame is taken. Large buffers are reused, through a bounded
+  moved to the block when the frame is taken. The buffer has LARGE_ALIGN bytes more, and the
+  frame is placed in it so that it *ends* on a LARGE_ALIGN boundary: an attachment is the
+  end of its frame, so one whose size is a multiple of 2^k bytes (a tensor's) starts 2^k-byte
+  aligned (k <= 6), and numpy or torch use it in place at full speed (an unaligned float
+  array makes numpy's ufuncs copy it into aligned buffers first). Large buffers are reused, through a bounded
   per-process cache, once no view of them is alive (no fresh pages to fault in). After a
   large frame, reads at a frame boundary ask the kernel for the rest of the 12-byte header
   only, so a stream of large frames is received with at most 12 bytes per frame copied in
@@ -24,6 +28,7 @@ into memoryviews.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from collections import deque
 
@@ -34,6 +39,7 @@ DEFAULT_BLOCK_SIZE = 256 * 1024
 DEFAULT_LARGE_THRESHOLD = 64 * 1024
 LARGE_CACHE_MAX_BYTES = 64 * 1024 * 1024
 LARGE_CACHE_MAX_BUFFERS = 16
+LARGE_ALIGN = 64
 
 
 class LargeBufferCache:
@@ -83,6 +89,11 @@ class LargeBufferCache:
 
 
 large_buffers = LargeBufferCache()
+
+
+def _address(buf: bytearray) -> int:
+    """Where `buf`'s bytes are in memory (the export ctypes takes ends with this call)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 def _as_bytes_view(obj) -> memoryview:
@@ -165,7 +176,7 @@ class ReadBuffer:
     """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
 
     __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled", "_large_total",
-                 "_complete", "reused_large_buffers", "_header_only", "large_threshold",
+                 "_large_pad", "_complete", "reused_large_buffers", "_header_only", "large_threshold",
                  "copied_bytes")
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -179,6 +190,7 @@ class ReadBuffer:
         self._end = 0
         self._large = None
         self._large_filled = 0
+        self._large_pad = 0  # where the frame starts in _large (it ends LARGE_ALIGN-aligned)
         self._large_total = 0  # the frame's size; the buffer has HEADER_SIZE bytes more
         self._complete = None  # a complete large frame (a view) parked until taken
         self.reused_large_buffers = 0
@@ -190,7 +202,8 @@ class ReadBuffer:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._large is not None:
             if self._large_filled < self._large_total:
-                return memoryview(self._large)[self._large_filled:]
+                pad = self._large_pad
+                return memoryview(self._large)[pad + self._large_filled:pad + self._large_total + HEADER_SIZE]
             # Complete but not taken yet (a caller feeding before parsing): park it and go on
             # reading into the block.
             self._complete = self._finish_large()
@@ -208,7 +221,7 @@ class ReadBuffer:
         return memoryview(self._block)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        room = (len(self._large) - self._large_filled if self._large is not None
+        room = (self._large_total + HEADER_SIZE - self._large_filled if self._large is not None
                 else len(self._block) - self._end)
         if nbytes < 0 or nbytes > room:
             raise LocalProtocolError(
@@ -254,15 +267,20 @@ class ReadBuffer:
     def begin_large(self, total: int) -> None:
         """The frame starting at the read position is `total` bytes: give it its own buffer."""
         have = self._end - self._start
-        size = total + HEADER_SIZE
+        size = total + HEADER_SIZE + LARGE_ALIGN
         large = large_buffers.take(size)
         if large is not None:
             self.reused_large_buffers += 1
         else:
             large = bytearray(size)
-        if have:
+        if have > total + HEADER_SIZE:  # only a direct begin_large() with a made-up total
+            pad = 0
             large[:have] = memoryview(self._block)[self._start:self._end]
-            self.copied_bytes += have
+        else:
+            pad = -(_address(large) + total) % LARGE_ALIGN
+            large[pad:pad + have] = memoryview(self._block)[self._start:self._end]
+        self.copied_bytes += have
+        self._large_pad = pad
         self._start = self._end
         self._large = large
         self._large_filled = have
@@ -282,7 +300,7 @@ class ReadBuffer:
 
     def _finish_large(self) -> memoryview:
         """The complete large frame as a view; the bytes read past it go to the block."""
-        large, total, filled = self._large, self._large_total, self._large_filled
+        large, total, filled, pad = self._large, self._large_total, self._large_filled, self._large_pad
         self._large = None
         self._large_filled = self._large_total = 0
         self._header_only = True
@@ -290,11 +308,11 @@ class ReadBuffer:
         if spare:  # the start of the next frame (at most HEADER_SIZE bytes)
             if len(self._block) - self._end < spare:
                 self._new_block()
-            self._block[self._end:self._end + spare] = memoryview(large)[total:filled]
+            self._block[self._end:self._end + spare] = memoryview(large)[pad + total:pad + filled]
             self._end += spare
             self.copied_bytes += spare
         large_buffers.put(large)
-        return memoryview(large)[:total]
+        return memoryview(large)[pad:pad + total]
 
     def pending_bytes(self) -> int:
         """Bytes received but not yet consumed (a partial frame)."""

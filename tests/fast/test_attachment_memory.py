@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from aiobrpc import _fast
@@ -137,9 +138,13 @@ def test_a_large_attachment_is_a_view_of_its_frames_own_buffer(role, size):
     att = ev.attachment
     assert att.nbytes == size and bytes(att[-256:]) == bytes(range(256))
     # Not a copy: the same buffer as the data, the frame's own buffer (its size plus room for
-    # the next header), not the block.
-    assert type(att.obj) is bytearray and att.obj is ev.data.obj and len(att.obj) == len(wire) + 12
+    # the next header and for placing it), not the block.
+    assert type(att.obj) is bytearray and att.obj is ev.data.obj and len(att.obj) == len(wire) + 12 + 64
     assert not att.readonly
+    # The frame ends 64-byte aligned, so the attachment (its end, a multiple of 64 bytes
+    # here) starts 64-byte aligned: numpy uses it in place, without buffering copies.
+    arr = np.frombuffer(att, np.float64)
+    assert arr.ctypes.data % 64 == 0 and arr.flags.aligned
 
 
 @pytest.mark.parametrize("role", ROLES)
