@@ -74,3 +74,18 @@ class Servicer:
 
     SERVICE: ServiceDescriptor
     """The protobuf ServiceDescriptor served, e.g. `echo_pb2.DESCRIPTOR.services_by_name["EchoService"]`."""
+
+    def receive_attachment_into(self, method: str, request, attachment_size: int):
+        """Where the attachment of a request to `method` is to be received; None (this
+        default) for a buffer of the server's own.
+
+        Asked once a large request's head (its meta and `request`, the parsed message) has
+        arrived and before its attachment has, for attachments that do not arrive with the
+        head (over 64 KiB): return a writable C-contiguous buffer of exactly
+        `attachment_size` bytes (a slice of a numpy array, a CPU tensor's memory) and the
+        kernel writes the attachment there, with no copy in between; the handler's
+        `cntl.request_attachment` is then a view of it. Anything else (None, another size, an
+        exception: logged) receives the request as usual. Runs on the event loop; requests of
+        a connection not yet authenticated, and compressed or checksummed ones, are never
+        offered. Keep it short, and leave the buffer alone until the handler runs."""
+        return None

@@ -11,7 +11,7 @@ from ..protocol.baidu_std import SERVER
 from ..protocol.events import StreamFrameReceived
 from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
-from .dispatch import auth_failure_response
+from .dispatch import attachment_destination, auth_failure_response
 
 log = logging.getLogger(__name__)
 _auth_log = RateLimitedLog()
@@ -35,6 +35,13 @@ class ServerConnection(FramedConnection):
         self.poisoned = False
         self.last_active = self.loop.time()
         self._first_frame_timer = None
+        if server.registry.places:
+            self.receive_attachments_into(self._attachment_destination)
+
+    def _attachment_destination(self, meta, data):
+        if self.auth_state != _OPEN or self.poisoned:
+            return None  # nothing is written where a servicer says before the peer is let in
+        return attachment_destination(self.server.registry, meta, data)
 
     def connection_made_hook(self) -> None:
         if not self.server._connection_opened(self):

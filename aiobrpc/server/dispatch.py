@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 
 class MethodEntry:
     __slots__ = ("service_name", "method_name", "handler", "is_async", "request_class",
-                 "response_class", "full_name")
+                 "response_class", "full_name", "place")
 
-    def __init__(self, descriptor, handler) -> None:
+    def __init__(self, descriptor, handler, place=None) -> None:
+        self.place = place  # the servicer's receive_attachment_into, when it has its own
         self.service_name = descriptor.containing_service.full_name
         self.method_name = descriptor.name
         self.full_name = f"{self.service_name}/{self.method_name}"
@@ -54,6 +55,7 @@ class Registry:
     def __init__(self) -> None:
         self.services: dict[str, dict[str, MethodEntry]] = {}
         self._short: dict[str, str | None] = {}
+        self.places = False  # some servicer chooses where attachments are received
 
     def add(self, servicer: Servicer) -> None:
         service = getattr(servicer, "SERVICE", None)
@@ -62,11 +64,15 @@ class Registry:
         if service.full_name in self.services:
             raise ValueError(f"service {service.full_name} is already added")
         methods = {}
+        own_place = getattr(type(servicer), "receive_attachment_into", None) is not Servicer.receive_attachment_into
+        place = servicer.receive_attachment_into if own_place else None
+        if place is not None:
+            self.places = True
         for m in service.methods:
             handler = getattr(servicer, m.name, None)
             if handler is None or not callable(handler):
                 handler = _not_implemented(m.name)
-            methods[m.name] = MethodEntry(m, handler)
+            methods[m.name] = MethodEntry(m, handler, place)
         self.services[service.full_name] = methods
         short = service.name
         self._short[short] = None if short in self._short else service.full_name
@@ -83,6 +89,23 @@ class Registry:
         if entry is None:
             raise RpcError(ENOMETHOD, f"Fail to find method={full}/{method_name}")
         return entry
+
+
+def attachment_destination(registry: Registry, meta, data):
+    """The buffer the servicer of `meta`'s method chose for its attachment, or None."""
+    if meta.compress_type or meta.checksum_type or (meta.content_type or 0) != baidu_std.CONTENT_TYPE_PB:
+        return None
+    try:
+        entry = registry.lookup(meta.service_name, meta.method_name)
+    except RpcError:
+        return None  # dispatch answers it
+    if entry.place is None:
+        return None
+    try:
+        request = entry.request_class.FromString(data)
+    except Exception:  # noqa: BLE001 - dispatch reports a request that does not parse
+        return None
+    return entry.place(entry.method_name, request, meta.attachment_size)
 
 
 def _not_implemented(name: str):

@@ -127,6 +127,7 @@ class Group:
         self.addresses: list[str] = []
         self.ops_started = 0
         self.ops_finished = 0
+        self.segments_placed = 0  # received by the kernel straight into the tensor (no copy)
         self._next_seq = 1
         self._tail: asyncio.Future | None = None
         self._current: _Flight | None = None
@@ -478,6 +479,22 @@ class _CollectiveServicer(Servicer):
 
     def __init__(self, group: Group) -> None:
         self.group = group
+
+    def receive_attachment_into(self, method: str, req, attachment_size: int):
+        """A segment that is only copied into the tensor (all-gather steps, broadcast) is
+        received straight into its place."""
+        g = self.group
+        flight = g._current
+        if (method != "Segment" or flight is None or g._broken is not None or req.group != g.id
+                or req.op != flight.seq):
+            return None
+        op = flight.op
+        if (req.kind, req.dtype, req.numel) != (op.kind, op.code, op.numel):
+            return None  # segment_received reports it
+        dest = op.destination(req.step, req.segment, attachment_size)
+        if dest is not None:
+            g.segments_placed += 1
+        return dest
 
     async def Segment(self, req: pb.SegmentRequest, cntl: Controller) -> pb.Ack:
         g = self.group

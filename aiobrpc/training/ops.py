@@ -42,6 +42,9 @@ class RingOp(ABC):
         self.expected = 0
         self.received = 0
         self._seen: set[tuple[int, int]] = set()
+        # (step, segment) pairs received straight into their place (destination()): touched on
+        # the loop only, where _seen may be updated on the group's reduce thread.
+        self.placed: set[tuple[int, int]] = set()
         self.emit: Emit = _no_emit
 
     @property
@@ -70,6 +73,27 @@ class RingOp(ABC):
         self.received += 1
         self._take(step, segment, a, b, incoming)
 
+    def destination(self, step: int, segment: int, nbytes: int) -> np.ndarray | None:
+        """Where segment `segment` of step `step` (`nbytes`) may be received directly, once:
+        the slice it is copied to anyway; None for one that is combined with what is there
+        (reduce-scatter) or that does not fit."""
+        key = (step, segment)
+        if key in self.placed:
+            return None
+        try:
+            a, b, _ = self._target(step, segment)
+        except ValueError:
+            return None
+        dest = self._copy_target(step)
+        if dest is None or (b - a) * dest.itemsize != nbytes:
+            return None
+        self.placed.add(key)
+        return dest[a:b]
+
+    def _copy_target(self, step: int) -> np.ndarray | None:
+        """The array a received segment of `step` is copied into, if it is copied."""
+        return None
+
     @abstractmethod
     def _target(self, step: int, segment: int) -> tuple[int, int, np.dtype]:
         """Where segment `segment` of step `step` lands: (first, end) elements and dtype."""
@@ -93,6 +117,13 @@ class RingOp(ABC):
 
     def _count_steps(self, recv_chunk: Callable[[int], int], steps: range) -> int:
         return sum(self.layout.segments(recv_chunk(t)) for t in steps)
+
+
+def _copy(dest: np.ndarray, incoming: np.ndarray) -> None:
+    """dest[:] = incoming, unless it was received there (destination())."""
+    if incoming.size and incoming.ctypes.data == dest.ctypes.data:
+        return
+    dest[...] = incoming
 
 
 def _no_emit(step: int, segment: int, data: np.ndarray) -> None:
@@ -147,9 +178,12 @@ class AllReduce(RingOp):
             if self.ag_steps:
                 self.emit(self.rs_steps, segment, self.raw[a:b])
             return
-        self.raw[a:b] = incoming
+        _copy(self.raw[a:b], incoming)
         if step - self.rs_steps < self.ag_steps - 1:
             self.emit(step + 1, segment, self.raw[a:b])
+
+    def _copy_target(self, step: int) -> np.ndarray | None:
+        return self.raw if step >= self.rs_steps else None
 
     def _finalize(self, a: int, b: int) -> None:
         if self.op is R.ReduceOp.AVG:
@@ -199,8 +233,11 @@ class AllGather(RingOp):
         a, b = self._segment((self.rank - 1 - step) % self.world, step, segment)
         return a, b, self.out.dtype
 
+    def _copy_target(self, step: int) -> np.ndarray | None:
+        return self.out
+
     def _take(self, step: int, segment: int, a: int, b: int, incoming: np.ndarray) -> None:
-        self.out[a:b] = incoming
+        _copy(self.out[a:b], incoming)
         if step < self.world - 2:
             self.emit(step + 1, segment, self.out[a:b])
 
@@ -240,8 +277,11 @@ class Broadcast(RingOp):
         a, b = self._segment(0, step, segment)
         return a, b, self.raw.dtype
 
+    def _copy_target(self, step: int) -> np.ndarray | None:
+        return self.raw
+
     def _take(self, step: int, segment: int, a: int, b: int, incoming: np.ndarray) -> None:
-        self.raw[a:b] = incoming
+        _copy(self.raw[a:b], incoming)
         if not self.last:
             self.emit(0, segment, self.raw[a:b])
 

@@ -25,6 +25,7 @@ import time
 
 from ..errors import RemoteProtocolError
 from ..protocol.baidu_std import Decoder
+from ..protocol.placement import PlacingDecoder
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ class FramedConnection(asyncio.BufferedProtocol):
         self.batching_writes = False
         self._writelines_ok = False
         self.hold_events = False  # a subclass sets it to leave events buffered for now
+
+    def receive_attachments_into(self, place) -> None:
+        """Receive large attachments where `place(meta, data)` says (protocol/placement.py).
+        Before the first byte arrives: the decoder is replaced."""
+        if self.decoder.pending_bytes() or self.decoder.reader.frames:
+            raise RuntimeError("attachment placement must be chosen before the connection receives bytes")
+        self.decoder = PlacingDecoder(self.decoder.role, place, self.max_body_size)
+        self.get_buffer = self.decoder.get_buffer
 
     # -- asyncio callbacks --------------------------------------------------------------------
     def connection_made(self, transport) -> None:

@@ -20,7 +20,9 @@ from aiobrpc.training.ring import Layout
 SIZES = [0, 1, 5, 7, 1000, 1001]
 
 
-def drive(made: list[ops.RingOp], seed: int = 1) -> None:
+def drive(made: list[ops.RingOp], seed: int = 1, place: bool = False) -> int:
+    """Run the ring; with `place`, a segment whose op offers a destination is written there
+    first (as the kernel would) and handed over as a view of it. Returns how many were."""
     n = len(made)
     q: collections.deque = collections.deque()
     for r, op in enumerate(made):
@@ -28,11 +30,53 @@ def drive(made: list[ops.RingOp], seed: int = 1) -> None:
     for op in made:
         op.start()
     rng = np.random.default_rng(seed)
+    placed = 0
     while q:
         q.rotate(-int(rng.integers(len(q))))
         dst, step, seg, data = q.popleft()
-        made[dst].receive(step, seg, memoryview(data))
+        view = memoryview(data)
+        if place:
+            dest = made[dst].destination(step, seg, len(data))
+            if dest is not None:
+                dest_bytes = memoryview(dest).cast("B")
+                dest_bytes[:] = data
+                view = dest_bytes
+                placed += 1
+                assert made[dst].destination(step, seg, len(data)) is None  # once only
+        made[dst].receive(step, seg, view)
     assert [op.received for op in made] == [op.expected for op in made]
+    return placed
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_segments_received_in_place_give_the_same_results(n):
+    """destination(): the all-gather half of all_reduce, all_gather and broadcast take their
+    segments where they would copy them; the reduce-scatter half never (it combines)."""
+    numel = 1001
+    xs = inputs(n, numel, "float64")
+    ys = [x.copy() for x in xs]
+    placed = drive([ops.AllReduce(r, n, *raw_array(ys[r]), R.ReduceOp.SUM, 100) for r in range(n)], place=True)
+    want = np.sum(np.stack(xs), axis=0)
+    for y in ys:
+        np.testing.assert_allclose(y, want, rtol=1e-12)
+    segments_per_chunk = -(-(numel // n) // 100)
+    assert placed >= n * (n - 1) * (segments_per_chunk - 1)  # every all-gather step's segments
+    outs = [np.zeros(numel * n) for _ in range(n)]
+    assert drive([ops.AllGather(r, n, *raw_array(xs[r]), outs[r], 100) for r in range(n)], place=True) > 0
+    for out in outs:
+        assert np.array_equal(out, np.concatenate(xs))
+    bs = [x.copy() for x in xs]
+    assert drive([ops.Broadcast(r, n, *raw_array(bs[r]), 1, 100) for r in range(n)], place=True) > 0
+    for b in bs:
+        assert np.array_equal(b, xs[1])
+
+
+def test_a_reduce_scatter_step_or_a_wrong_size_is_never_placed():
+    op = ops.AllReduce(0, 3, *raw_array(np.zeros(30)), R.ReduceOp.SUM, 100)
+    assert op.destination(0, 0, 80) is None  # reduce-scatter: combined with what is there
+    assert op.destination(2, 0, 79) is None  # all-gather, but not its size
+    assert op.destination(2, 0, 80) is not None and op.destination(2, 0, 80) is None
+    assert op.destination(9, 0, 80) is None  # no such step
 
 
 def inputs(n: int, numel: int, dtype: str) -> list[np.ndarray]:

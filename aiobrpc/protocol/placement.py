@@ -1,0 +1,207 @@
+"""Receiving a large message's attachment straight into a buffer its receiver chooses.
+
+A `Decoder` receives a large frame into a buffer of its own and hands the attachment out as a
+view of it: no copy after the kernel's, but the bytes land where the decoder put them, and a
+receiver that wants them in its own array (a tensor's slice, a model's parameters) copies them
+once more. A `PlacingDecoder` asks first. When the head of a large PRPC frame (header, meta and
+the serialized request or response before the attachment) has arrived, it calls
+`place(meta, data)`; a writable buffer of exactly `meta.attachment_size` bytes returned there
+receives the attachment from the kernel directly, and the event's `attachment` is a view of
+that buffer. None, an unusable buffer or an exception: the frame is received as usual.
+
+What it costs: the head of a placed frame is read on its own (one or two reads of a few
+bytes), and a frame's last read stops at its end. Only frames over the reader's
+`large_threshold` (64 KiB) are considered, so small messages take the usual path unchanged,
+and a connection whose owner places nothing uses a plain `Decoder`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from .. import _fast
+from ..errors import LocalProtocolError
+from .baidu_std import DEFAULT_MAX_BODY_SIZE, Decoder
+
+log = logging.getLogger(__name__)
+
+HEADER = 12
+# A head larger than this (a big meta, or a big serialized message before the attachment) is
+# not worth reading on its own: such a frame is received as usual.
+MAX_HEAD_BYTES = 64 * 1024
+
+Place = Callable[[object, memoryview], object]
+
+
+class _Placed:
+    """A frame whose attachment is being received into the buffer its receiver chose."""
+
+    __slots__ = ("meta", "data", "attachment", "filled", "head_bytes")
+
+    def __init__(self, meta, data: memoryview, attachment: memoryview, filled: int, head_bytes: int) -> None:
+        self.meta = meta
+        self.data = data
+        self.attachment = attachment
+        self.filled = filled
+        self.head_bytes = head_bytes
+
+
+class PlacingDecoder(Decoder):
+    """A `Decoder` that receives large attachments where `place(meta, data)` says."""
+
+    __slots__ = ("place", "_placing", "_done", "_max_body")
+
+    def __init__(self, role: str, place: Place, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+                 **buffer_options) -> None:
+        super().__init__(role, max_body_size, **buffer_options)
+        self.place = place
+        self._placing: _Placed | None = None
+        self._done: _Placed | None = None
+        self._max_body = max_body_size
+        # The plain Decoder binds the reader's methods for speed; these wrap them.
+        self.get_buffer = self._get_buffer
+        self.buffer_updated = self._buffer_updated
+        self.next_frame = self._next_frame
+        self.pending_bytes = self._pending_bytes
+
+    # -- kernel side ---------------------------------------------------------------------------
+    def _get_buffer(self, sizehint: int = -1) -> memoryview:
+        placing = self._placing
+        if placing is not None:
+            return placing.attachment[placing.filled:]
+        need = self._consider()
+        if need > 0:
+            return self._reader.rbuf.get_buffer(need)[:need]  # just the rest of the head
+        placing = self._placing
+        if placing is not None:
+            return placing.attachment[placing.filled:]
+        return self._reader.get_buffer(sizehint)
+
+    def _buffer_updated(self, nbytes: int) -> None:
+        placing = self._placing
+        if placing is None:
+            self._reader.buffer_updated(nbytes)
+            return
+        room = placing.attachment.nbytes - placing.filled
+        if nbytes < 0 or nbytes > room:
+            raise LocalProtocolError(f"buffer_updated({nbytes}) is outside the {room} bytes that get_buffer offered")
+        placing.filled += nbytes
+        if placing.filled == placing.attachment.nbytes:
+            self._placing = None
+            self._done = placing
+
+    def _pending_bytes(self) -> int:
+        placing = self._placing
+        n = self._reader.pending_bytes()
+        return n if placing is None else n + placing.head_bytes + placing.filled
+
+    # -- parser side ---------------------------------------------------------------------------
+    def _next_frame(self):
+        done = self._done
+        if done is not None:
+            self._done = None
+            return done
+        if self._placing is not None or self._consider() > 0:
+            return None
+        done = self._done  # placed at once: its attachment had all arrived with its head
+        if done is not None:
+            self._done = None
+            return done
+        if self._placing is not None:
+            return None
+        return self._reader.next_frame()
+
+    def next_event(self):
+        frame = self._next_frame()
+        return None if frame is None else self.event(frame)
+
+    def event(self, frame):
+        if type(frame) is _Placed:
+            return self._event(frame.meta, frame.data, frame.attachment)
+        return Decoder.event(self, frame)
+
+    # -- deciding ------------------------------------------------------------------------------
+    def _consider(self) -> int:
+        """For the frame at the read position: > 0, bytes of its head still to read first;
+        0 once decided (placed, or to be received as usual by the reader)."""
+        if self._placing is not None or self._done is not None:
+            return 0
+        rbuf = self._reader.rbuf
+        if rbuf.large_pending():
+            return 0
+        have = rbuf.available()
+        if have < HEADER:
+            return 0
+        need = self._head_need(rbuf, have)
+        if need > 0:
+            return need
+        if need == 0:
+            self._begin_placing(rbuf, have)
+        return 0
+
+    def _head_need(self, rbuf, have: int) -> int:
+        """Bytes of the head of the frame at the read position still to read: > 0; 0 when the
+        head is here and the frame may be placed; -1 when it is not a frame to place."""
+        kind, body_size, meta_size = _fast.parse_header(rbuf.peek(HEADER))
+        total = HEADER + body_size
+        if (kind != _fast.KIND_PRPC or meta_size > body_size or body_size > self._max_body
+                or total <= rbuf.large_threshold or have >= total or meta_size > MAX_HEAD_BYTES):
+            return -1
+        meta_end = HEADER + meta_size
+        if have < meta_end:
+            return meta_end - have
+        head_end = self._head_end(rbuf, body_size, meta_size)
+        if head_end < 0:
+            return -1
+        return max(0, head_end - have)
+
+    def _head_end(self, rbuf, body_size: int, meta_size: int) -> int:
+        try:
+            meta = self._decode_meta(rbuf.peek(HEADER + meta_size)[HEADER:])
+        except Exception:  # noqa: BLE001 - the usual path reports a bad meta
+            return -1
+        att = meta.attachment_size or 0
+        data_size = body_size - meta_size - att
+        if att <= 0 or data_size < 0 or data_size > MAX_HEAD_BYTES:
+            return -1
+        return HEADER + meta_size + data_size
+
+    def _begin_placing(self, rbuf, have: int) -> bool:
+        _, body_size, meta_size = _fast.parse_header(rbuf.peek(HEADER))
+        head_end = self._head_end(rbuf, body_size, meta_size)
+        head = rbuf.peek(head_end)
+        meta = self._decode_meta(head[HEADER:HEADER + meta_size])
+        data = head[HEADER + meta_size:]
+        att = meta.attachment_size
+        try:
+            dest = self.place(meta, data)
+        except Exception as e:  # a fault of the receiver's choice never breaks the connection
+            log.error("choosing where to receive a %d-byte attachment raised %r; received as usual",
+                      att, e, exc_info=e)
+            return False
+        if dest is None:
+            return False
+        try:
+            view = _fast.byte_view(dest)
+        except LocalProtocolError as e:
+            log.error("the buffer chosen for a %d-byte attachment is unusable (%s); received as usual", att, e)
+            return False
+        if view.readonly or view.nbytes != att:
+            log.error("the buffer chosen for a %d-byte attachment is %s%d bytes; received as usual",
+                      att, "read-only, " if view.readonly else "", view.nbytes)
+            return False
+        # The head is consumed from the shared block: its views stay valid (the block is never
+        # rewritten while a view of it lives). Bytes of the attachment a read already brought
+        # into the block are moved to the buffer, as a large frame's would be to its own.
+        data = rbuf.take(head_end)[HEADER + meta_size:]
+        early = min(have - head_end, att)
+        if early > 0:
+            view[:early] = rbuf.take(early)
+        placing = _Placed(meta, data, view, max(early, 0), head_end)
+        if placing.filled == att:
+            self._done = placing
+            return False
+        self._placing = placing
+        return True
+

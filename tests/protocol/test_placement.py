@@ -1,0 +1,171 @@
+"""PlacingDecoder: a large attachment received straight into the buffer its receiver chose
+(both twins, by the conftest). Whatever the read sizes, it yields the same events as a plain
+Decoder; only where the attachment's bytes lie differs."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiobrpc.protocol import baidu_std
+from aiobrpc.protocol.placement import MAX_HEAD_BYTES, PlacingDecoder
+from tests.fast.test_attachment_memory import message, receive
+from tests.helpers.wire import frame
+
+ROLES = [baidu_std.SERVER, baidu_std.CLIENT]
+LARGE = 300 * 1024
+
+
+def pattern(n: int, seed: int) -> bytes:
+    return bytes((i * 7 + seed) & 0xFF for i in range(256)) * (n // 256) + bytes(n % 256)
+
+
+class Chooser:
+    """Places every attachment in a fresh buffer and remembers what it was asked."""
+
+    def __init__(self, make=bytearray) -> None:
+        self.make = make
+        self.asked: list[tuple[int, bytes]] = []
+        self.buffers: list = []
+
+    def __call__(self, meta, data):
+        self.asked.append((meta.correlation_id, bytes(data)))
+        buf = self.make(meta.attachment_size)
+        self.buffers.append(buf)
+        return buf
+
+
+def summary(events) -> list:
+    return [(type(e).__name__, e.meta.correlation_id, bytes(e.data), bytes(e.attachment), e.error) for e in events]
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("read", [7, 1000, 64 * 1024, 1 << 20])
+def test_a_large_attachment_lands_in_the_chosen_buffer(role, read):
+    wire = message(role, 1, b"request", pattern(LARGE, 1)) + message(role, 2, b"small", b"tiny")
+    chooser = Chooser()
+    events = receive(PlacingDecoder(role, chooser), wire, read=read)
+    assert summary(events) == summary(receive(baidu_std.Decoder(role), wire, read=read))
+    assert chooser.asked == [(1, b"request")]  # the small one was never considered
+    [buf] = chooser.buffers
+    assert events[0].attachment.obj is buf and bytes(buf) == pattern(LARGE, 1)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_numpy_destination_is_filled_in_place(role):
+    values = np.arange(LARGE // 4, dtype=np.float32)
+    dest = np.zeros_like(values)
+    events = receive(PlacingDecoder(role, lambda meta, data: dest), message(role, 1, b"x", values.tobytes()))
+    assert np.array_equal(dest, values)
+    assert np.frombuffer(events[0].attachment, np.float32).ctypes.data == dest.ctypes.data
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("read", [100, 1 << 20])
+def test_many_frames_in_a_row_each_placed(role, read):
+    rng = random.Random(5)
+    parts = []
+    for i in range(6):
+        size = rng.choice([LARGE, 70_000, 100, 2 << 20])
+        parts.append(message(role, i + 1, bytes(rng.randrange(0, 300)), pattern(size, i)))
+    wire = b"".join(parts)
+    chooser = Chooser()
+    events = receive(PlacingDecoder(role, chooser), wire, read=read)
+    assert summary(events) == summary(receive(baidu_std.Decoder(role), wire, read=read))
+    placed = [e.meta.correlation_id for e in events if any(e.attachment.obj is b for b in chooser.buffers)]
+    over_threshold = [e.meta.correlation_id for e in events if len(e.attachment) > 64 * 1024]
+    if read == 100:
+        assert placed == over_threshold
+    else:  # a frame one read brought whole is in the block already: it is not placed
+        assert set(placed) < set(over_threshold) and placed
+
+
+def refuses(meta, data):
+    return None
+
+
+def raises(meta, data):
+    raise RuntimeError("no room")
+
+
+@pytest.mark.parametrize("place, logged", [
+    (refuses, None),
+    (raises, "raised RuntimeError('no room')"),
+    (lambda meta, data: bytearray(meta.attachment_size - 1), "is 307199 bytes"),
+    (lambda meta, data: bytes(meta.attachment_size), "read-only"),
+    (lambda meta, data: object(), "unusable"),
+])
+def test_a_refused_or_unusable_choice_receives_as_usual(place, logged, caplog):
+    wire = message(baidu_std.SERVER, 1, b"req", pattern(LARGE, 3))
+    with caplog.at_level(logging.ERROR):
+        events = receive(PlacingDecoder(baidu_std.SERVER, place), wire)
+    assert summary(events) == summary(receive(baidu_std.Decoder(baidu_std.SERVER), wire))
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (errors == []) if logged is None else (len(errors) == 1 and logged in errors[0])
+
+
+def test_frames_that_are_not_placed():
+    """STRM frames, frames without an attachment, heads over MAX_HEAD_BYTES, a lying
+    attachment_size: never offered; the events are the plain decoder's, errors included."""
+    from tests.helpers.wire import rpc_meta
+    strm = b"STRM" + (LARGE + 4).to_bytes(4, "big") + (4).to_bytes(4, "big") + b"\x08\x01\x18\x03" + bytes(LARGE)
+    no_att = message(baidu_std.SERVER, 1, bytes(LARGE), b"")
+    big_head = message(baidu_std.SERVER, 2, bytes(MAX_HEAD_BYTES + 1), bytes(LARGE))
+    lying = frame(rpc_meta(correlation_id=3, attachment_size=LARGE * 2), bytes(LARGE))
+    wire = strm + no_att + big_head + lying
+    chooser = Chooser()
+    placing = PlacingDecoder(baidu_std.SERVER, chooser)
+    plain = baidu_std.Decoder(baidu_std.SERVER)
+    got, want = receive(placing, wire), receive(plain, wire)
+    assert [type(e).__name__ for e in got] == [type(e).__name__ for e in want]
+    assert [getattr(e, "error", None) is not None for e in got] == [False, False, False, True]
+    assert chooser.asked == []
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_pending_bytes_counts_a_placed_frame_in_progress(role):
+    wire = message(role, 1, b"abc", pattern(LARGE, 2))
+    decoder = PlacingDecoder(role, Chooser())
+    receive(decoder, wire[:200_000])
+    assert decoder.pending_bytes() == 200_000
+    receive(decoder, wire[200_000:])
+    assert decoder.pending_bytes() == 0
+
+
+def test_buffer_updated_beyond_the_offered_buffer_is_refused():
+    from aiobrpc.errors import LocalProtocolError
+    wire = message(baidu_std.SERVER, 1, b"abc", pattern(LARGE, 2))
+    decoder = PlacingDecoder(baidu_std.SERVER, Chooser())
+    receive(decoder, wire[:100_000])
+    buf = decoder.get_buffer(-1)
+    with pytest.raises(LocalProtocolError, match="outside"):
+        decoder.buffer_updated(len(buf) + 1)
+
+
+@settings(max_examples=60)
+@given(reads=st.lists(st.integers(1, 300_000), min_size=1, max_size=40), seed=st.integers(0, 3))
+def test_any_read_sizes_give_the_plain_decoders_events(reads, seed):
+    rng = random.Random(seed)
+    wire = b"".join(message(baidu_std.SERVER, i + 1, bytes(rng.randrange(0, 50)),
+                            pattern(rng.choice([0, 10, 70_000, LARGE]), i)) for i in range(4))
+
+    def run(decoder):
+        events, pos, i = [], 0, 0
+        while pos < len(wire):
+            buf = decoder.get_buffer(-1)
+            k = min(len(buf), reads[i % len(reads)], len(wire) - pos)
+            buf[:k] = wire[pos:pos + k]
+            del buf
+            decoder.buffer_updated(k)
+            pos += k
+            i += 1
+            while (ev := decoder.next_event()) is not None:
+                events.append(ev)
+        return events
+
+    assert summary(run(PlacingDecoder(baidu_std.SERVER, Chooser()))) == summary(run(baidu_std.Decoder(baidu_std.SERVER)))
