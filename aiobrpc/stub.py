@@ -87,5 +87,7 @@ class Servicer:
         `cntl.request_attachment` is then a view of it. Anything else (None, another size, an
         exception: logged) receives the request as usual. Runs on the event loop; requests of
         a connection not yet authenticated, and compressed or checksummed ones, are never
-        offered. Keep it short, and leave the buffer alone until the handler runs."""
+        offered. Keep it short, and leave the buffer alone until the handler runs; if the
+        connection is lost before the whole attachment came, the handler never runs and the
+        buffer holds what had arrived."""
         return None
