@@ -30,6 +30,18 @@ class AttemptInfo:
         return f"<Attempt {self.remote_side} cid={self.correlation_id} {what}{' backup' if self.backup else ''}>"
 
 
+def _writable_bytes(buf: Any) -> memoryview:
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"response_attachment_into must be a writable buffer, got {type(buf).__name__}") from None
+    if view.readonly:
+        raise ValueError("response_attachment_into must be writable, got a read-only buffer")
+    if not view.c_contiguous:
+        raise ValueError("response_attachment_into must be C-contiguous")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
 class Controller:
     """Settings of one call (client) or the view of one request (server).
 
@@ -69,7 +81,17 @@ class Controller:
     when over 64 KiB), is a view of that buffer, not copied; a smaller one is a view of its own
     copy. So keeping one keeps at most 4 times its size alive; to keep only a large one's
     bytes, copy them: `bytes(view)`, or `.copy()` of an `np.frombuffer(view, dtype)` array.
-    The view may not be aligned for the dtype, which numpy handles.
+    One that arrives in a buffer of its own ends 64-byte aligned in it; a smaller one may not be
+    aligned for its dtype, which numpy handles.
+
+    To receive a large response attachment straight into your own memory (a numpy array, a
+    CPU tensor), pass `Controller(response_attachment_into=buf)`: when the response's
+    attachment is exactly `buf`'s size and arrives after the response's head (over 64 KiB),
+    the kernel writes it into `buf` and `response_attachment` is a view of `buf`. Otherwise
+    (another size, a reply that came whole in one read, a backup or retry whose reply won while
+    another was being placed) `response_attachment` is a buffer of aiobrpc's own: test
+    `np.shares_memory`-style, or simply copy from `response_attachment` when it is not `buf`.
+    Until the call has ended, `buf` may be written by any attempt of it; after, never.
 
     Attributes:
         log_id (int | None): Client: an id sent with the request for tracing (0..2**64-1).
@@ -160,6 +182,9 @@ class Controller:
     response_checksum_with_attachment = False
     request_attachment: Any = None
     response_attachment: Any = None
+    #: Client: a writable buffer (a memoryview of it) where the response attachment is to be
+    #: received by the kernel directly, when it is exactly this size (see the constructor).
+    response_attachment_into: memoryview | None = None
     request_content_type = 0
     _request_user_fields: dict[str, str] | None = None
     _response_user_fields: dict[str, str] | None = None
@@ -191,7 +216,8 @@ class Controller:
                  request_compress_type: int = 0,
                  request_checksum: bool = False, request_checksum_with_attachment: bool = False,
                  request_attachment: Any = None, idempotent: bool | None = None,
-                 backup_request_ms: int | None = None, connection_type: str | None = None) -> None:
+                 backup_request_ms: int | None = None, connection_type: str | None = None,
+                 response_attachment_into: Any = None) -> None:
         if log_id is not None:
             if not (isinstance(log_id, int) and 0 <= log_id < 1 << 64):
                 raise ValueError(f"log_id must be an int in 0..2**64-1, got {log_id!r}")
@@ -224,6 +250,8 @@ class Controller:
             self.request_checksum_with_attachment = True
         if request_attachment is not None:
             self.request_attachment = request_attachment
+        if response_attachment_into is not None:
+            self.response_attachment_into = _writable_bytes(response_attachment_into)
 
     @property
     def request_checksum(self) -> bool:

@@ -239,7 +239,8 @@ def unpack(meta: TensorMeta, attachment: Any, out: Sequence[Any] | None = None, 
     attachment, copying nothing; they keep the received buffer alive. With `out`, a sequence
     of one destination per tensor (numpy array or torch CPU tensor of the same dtype and number
     of elements, C-contiguous; None for a tensor to return as a view), each tensor is copied
-    once into its destination, which is returned in its place. ValueError names a meta that
+    once into its destination, which is returned in its place (not copied when the attachment
+    was received into it: `Controller(response_attachment_into=...)`). ValueError names a meta that
     does not fit the attachment or a destination that does not fit its tensor.
     """
     if not isinstance(meta, TensorMeta):
@@ -260,7 +261,9 @@ def unpack(meta: TensorMeta, attachment: Any, out: Sequence[Any] | None = None, 
             if dcode != code or draw.size != count:
                 raise ValueError(f"destination of {_what(info, i)} is {_WIRE[dcode][0]} x{draw.size}, "
                                  f"the tensor is {_WIRE[code][0]} {list(shape)}")
-            np.copyto(draw, raw.reshape(-1))
+            flat = raw.reshape(-1)
+            if count and flat.ctypes.data != draw.ctypes.data:  # equal: received in place
+                np.copyto(draw, flat)
             result.append(dest)
         elif torch:
             result.append(_as_torch(raw, code))

@@ -94,7 +94,8 @@ class Call:
     __slots__ = ("channel", "loop", "cntl", "service_name", "method_name", "serialized",
                  "response_class", "fut", "deadline", "timeout_ms", "max_retry", "idempotent",
                  "ctype", "retried", "current", "unfinished", "excluded", "timer",
-                 "backup_timer", "retry_handle", "backup_ms", "errors", "start_ns", "finished", "streams")
+                 "backup_timer", "retry_handle", "backup_ms", "errors", "start_ns", "finished", "streams",
+                 "placer")
 
     def __init__(self, channel, loop, service_name: str, method_name: str, serialized,
                  response_class, cntl: Controller, started: float | None = None) -> None:
@@ -134,6 +135,7 @@ class Call:
         self.backup_ms = -1
         self.errors: list | None = None  # (code, text) of every failed attempt
         self.finished = False
+        self.placer: Attempt | None = None  # the attempt whose reply goes to response_attachment_into
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -282,6 +284,8 @@ class Call:
         conn.needs_credential = False  # only once the request that carries it is sure to go
         att.cid = cid
         conn.pending[cid] = att
+        if cntl.response_attachment_into is not None:
+            conn.place_responses()
         att.sent = True
         conn.write(bufs, len(bufs[0]) + len(data) + (meta.attachment_size or 0), len(conn.pending) == 1)
 
@@ -575,7 +579,7 @@ class Call:
             att.task = None
         conn = att.conn
         if conn is not None:
-            conn.pending.pop(att.cid, None)
+            conn.forget(att.cid)
             if self.ctype != SINGLE:
                 att.pool.release(conn, self.ctype, False)  # a reply is in flight: never reuse it
         self._record(att, None)

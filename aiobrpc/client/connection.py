@@ -9,6 +9,7 @@ from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError, RpcError
 from ..protocol import streaming
 from ..protocol.baidu_std import CLIENT, Decoder
 from ..protocol.events import ResponseReceived, StreamFrameReceived
+from ..protocol.placement import PlacingDecoder
 from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
 
@@ -81,6 +82,38 @@ class ClientConnection(FramedConnection):
 
     def connection_made_hook(self) -> None:
         self.stats.connections_made += 1
+
+    # -- responses received into the caller's buffer (Controller.response_attachment_into) ----
+    def place_responses(self) -> None:
+        """From now on, offer large response attachments to the calls waiting for them."""
+        if type(self.decoder) is not PlacingDecoder:
+            self.decoder = PlacingDecoder.around(self.decoder, self._attachment_destination)
+            self.get_buffer = self.decoder.get_buffer
+            if self.transport is not None:
+                # uvloop looks get_buffer up once, when it is given the protocol: again.
+                self.transport.set_protocol(self)
+
+    def _attachment_destination(self, meta, data):
+        attempt = self.pending.get(meta.correlation_id)
+        if attempt is None or attempt.done or meta.error_code or meta.checksum_type:
+            return None
+        call = attempt.call
+        dest = call.cntl.response_attachment_into
+        if dest is None or call.finished or dest.nbytes != meta.attachment_size:
+            return None
+        placer = call.placer
+        if placer is not None and not placer.done:
+            return None  # another attempt of the call (a backup) is being received into it
+        call.placer = attempt
+        return dest
+
+    def forget(self, correlation_id: int) -> None:
+        """An attempt stopped waiting for its reply: it is dropped when it comes, and not
+        received into the caller's buffer any more."""
+        self.pending.pop(correlation_id, None)
+        decoder = self.decoder
+        if type(decoder) is PlacingDecoder:
+            decoder.divert(correlation_id)
 
     def event_received(self, ev) -> None:
         if type(ev) is StreamFrameReceived:

@@ -65,6 +65,33 @@ class PlacingDecoder(Decoder):
         self.next_frame = self._next_frame
         self.pending_bytes = self._pending_bytes
 
+    @classmethod
+    def around(cls, decoder: Decoder, place: Place) -> PlacingDecoder:
+        """A PlacingDecoder that goes on with `decoder`'s reader and what it holds (a
+        connection that starts placing after bytes have arrived)."""
+        new = cls.__new__(cls)
+        for name in Decoder.__slots__:
+            setattr(new, name, getattr(decoder, name))
+        new.place = place
+        new._placing = None
+        new._done = None
+        new._max_body = decoder._reader.max_body_size
+        new.get_buffer = new._get_buffer
+        new.buffer_updated = new._buffer_updated
+        new.next_frame = new._next_frame
+        new.pending_bytes = new._pending_bytes
+        return new
+
+    def divert(self, correlation_id: int) -> None:
+        """The frame of `correlation_id`, if it is being placed, goes on into a buffer of its
+        own: its receiver gave up on it (a call that ended first), and must find its buffer
+        unwritten from now on."""
+        placing = self._placing
+        if placing is not None and placing.meta.correlation_id == correlation_id:
+            # Its reply is dropped when complete (no caller is waiting for it): what came so
+            # far need not follow.
+            placing.attachment = memoryview(bytearray(placing.attachment.nbytes))
+
     # -- kernel side ---------------------------------------------------------------------------
     def _get_buffer(self, sizehint: int = -1) -> memoryview:
         placing = self._placing

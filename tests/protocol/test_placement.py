@@ -169,3 +169,35 @@ def test_any_read_sizes_give_the_plain_decoders_events(reads, seed):
         return events
 
     assert summary(run(PlacingDecoder(baidu_std.SERVER, Chooser()))) == summary(run(baidu_std.Decoder(baidu_std.SERVER)))
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_diverted_frame_stops_writing_the_chosen_buffer(role):
+    """divert(cid): the receiver gave up on that frame; the rest of it goes elsewhere, and the
+    chosen buffer keeps what it had (other frames are not affected)."""
+    wire = message(role, 7, b"head", pattern(LARGE, 4)) + message(role, 8, b"next", pattern(LARGE, 5))
+    chooser = Chooser()
+    decoder = PlacingDecoder(role, chooser)
+    assert receive(decoder, wire[:100_000]) == []
+    [buf] = chooser.buffers
+    before = bytes(buf)
+    decoder.divert(8)  # not the frame being placed: nothing changes
+    decoder.divert(7)
+    events = receive(decoder, wire[100_000:])
+    assert bytes(buf) == before and before != bytes(LARGE)
+    assert [e.meta.correlation_id for e in events] == [7, 8]
+    assert bytes(events[0].attachment)[-1000:] == pattern(LARGE, 4)[-1000:]  # the rest, elsewhere
+    assert events[1].attachment.obj is chooser.buffers[1] and bytes(chooser.buffers[1]) == pattern(LARGE, 5)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_decoder_can_start_placing_midway(role):
+    """PlacingDecoder.around(decoder): what the plain decoder holds (a partial frame) goes on."""
+    wire = message(role, 1, b"a", pattern(LARGE, 1)) + message(role, 2, b"b", pattern(LARGE, 2))
+    plain = baidu_std.Decoder(role)
+    got = receive(plain, wire[:50_000])
+    chooser = Chooser()
+    placing = PlacingDecoder.around(plain, chooser)
+    got += receive(placing, wire[50_000:])
+    assert summary(got) == summary(receive(baidu_std.Decoder(role), wire))
+    assert [cid for cid, _ in chooser.asked] == [2]  # the first had begun as usual

@@ -69,6 +69,22 @@ async def test_rows_are_pushed_and_pulled_by_id():
             assert (await w.pull(["w"], out={"w": dest}))["w"] is dest and dest.tolist() == [1, 1]
 
 
+async def test_a_large_key_pulled_into_an_array_is_received_in_place(monkeypatch):
+    """pull(out=...) of one whole key: the kernel writes the weights into the caller's array
+    (Controller.response_attachment_into), and get_response_tensors copies nothing."""
+    copies = []
+    real_copyto = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda *a, **k: (copies.append(a[0].nbytes), real_copyto(*a, **k)))
+    value = np.arange(300_000, dtype=f32)
+    async with running_ps(1, num_workers=1) as ps:
+        async with PsWorker([ps[0][0].address], 0) as w:
+            await w.init({"big": value})
+            dest = np.zeros_like(value)
+            got = await w.pull(["big"], out={"big": dest})
+    assert got["big"] is dest and np.array_equal(dest, value)
+    assert copies == []
+
+
 class SlowSum(Sum):
     def apply(self, value, grad, state, rows=None):
         time.sleep(0.01)  # an update still running when the next call comes
