@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
+from .. import _fast
 from .._proto import brpc_streaming_pb2
 from ..errors import LocalProtocolError, RemoteProtocolError
 
@@ -293,9 +294,22 @@ class Reassembly:
         self.size = size
         if has_continuation:
             return None
-        message = memoryview(b"".join(parts))
+        # Into a buffer of this size whose last message nobody holds any more (its pages are
+        # already faulted in), else a new one; either way one copy.
+        large_buffers = _fast.large_buffers
+        buf = large_buffers.take(size) if size > _SMALL_SEGMENT else None
+        if buf is None:
+            buf = bytearray().join(parts)
+        else:
+            pos = 0
+            for part in parts:
+                n = len(part)
+                buf[pos:pos + n] = part
+                pos += n
+        if size > _SMALL_SEGMENT:
+            large_buffers.put(buf)
         self.clear()
-        return message
+        return memoryview(buf)
 
     def clear(self) -> None:
         self.parts = []
