@@ -482,9 +482,18 @@ class Stream:
             self._handler_task = self._loop.create_task(self._run_handler())
         self._wake_writers()
 
+    def _segment_destination(self, n: int, has_continuation: bool):
+        """Where the connection should receive the next DATA segment of this stream (`n`
+        bytes): into the message being assembled, when the message has several segments."""
+        reassembly = self._reassembly
+        if (reassembly is None or self._state != _CONNECTED or self._awaiting_response
+                or not (has_continuation or reassembly.busy)):
+            return None
+        return reassembly.place(n)
+
     def _on_data(self, payload, has_continuation: bool) -> None:
         reassembly = self._reassembly
-        if has_continuation or reassembly.parts:
+        if has_continuation or reassembly.busy:
             try:
                 message = reassembly.add(payload, has_continuation)
             except RemoteProtocolError as e:

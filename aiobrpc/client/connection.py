@@ -86,12 +86,9 @@ class ClientConnection(FramedConnection):
     # -- responses received into the caller's buffer (Controller.response_attachment_into) ----
     def place_responses(self) -> None:
         """From now on, offer large response attachments to the calls waiting for them."""
-        if type(self.decoder) is not PlacingDecoder:
-            self.decoder = PlacingDecoder.around(self.decoder, self._attachment_destination)
-            self.get_buffer = self.decoder.get_buffer
-            if self.transport is not None:
-                # uvloop looks get_buffer up once, when it is given the protocol: again.
-                self.transport.set_protocol(self)
+        decoder = self.placing_decoder()
+        if decoder.place is None:
+            decoder.place = self._attachment_destination
 
     def _attachment_destination(self, meta, data):
         attempt = self.pending.get(meta.correlation_id)

@@ -19,6 +19,9 @@ True
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 from google.protobuf.message import DecodeError
 
 from .. import _fast
@@ -266,18 +269,49 @@ class Reassembly:
     `add(payload, has_continuation)` returns the whole message when it is complete, else None;
     RemoteProtocolError(fatal=False) once the message would pass `max_size` (the buffered
     segments are dropped then).
+
+    Segments are kept as they came and joined once, at the end, with one copy; or, when the
+    connection's decoder asks `place(n)` where the next segment goes, they are received by
+    the kernel straight into one buffer for the whole message (no copy): an anonymous mmap of
+    `max_size` bytes, whose pages exist only where bytes were written, reused for later
+    messages once no view of the last one is alive (`MappedBuffers`).
     """
 
-    __slots__ = ("parts", "size", "max_size")
+    __slots__ = ("parts", "size", "max_size", "target", "placed")
 
     def __init__(self, max_size: int) -> None:
         self.parts: list = []
         self.size = 0
         self.max_size = max_size
+        self.target: mmap.mmap | None = None  # where the message is assembled, once placing
+        self.placed = 0  # size of the segment being received into target now
+
+    @property
+    def busy(self) -> bool:
+        """Whether a message is in progress (some of its segments received)."""
+        return bool(self.parts) or self.target is not None
+
+    def place(self, n: int) -> memoryview | None:
+        """Where the next segment, `n` bytes, is to be received; None: as usual."""
+        size = self.size + n
+        if size > self.max_size or self.placed:
+            return None  # add() reports a message too large
+        target = self.target
+        if target is None:
+            target = self.target = mapped_buffers.take(self.max_size)
+            pos = 0
+            for part in self.parts:  # what came before, received as usual
+                k = len(part)
+                target[pos:pos + k] = part
+                pos += k
+            self.parts = []
+        self.placed = n
+        return memoryview(target)[self.size:size]
 
     def add(self, payload, has_continuation: bool):
+        target = self.target
         parts = self.parts
-        if not parts and not has_continuation:
+        if target is None and not parts and not has_continuation:
             return payload
         n = len(payload)
         size = self.size + n
@@ -285,6 +319,19 @@ class Reassembly:
             self.clear()
             raise RemoteProtocolError(f"a stream message passed max_body_size={self.max_size} "
                                       f"({size} bytes received of it so far)", fatal=False)
+        if target is not None:
+            if self.placed and n == self.placed and getattr(payload, "obj", None) is target:
+                self.placed = 0  # received in its place
+            else:
+                self.placed = 0
+                target[self.size:size] = payload
+            self.size = size
+            if has_continuation:
+                return None
+            self.target = None
+            self.size = 0
+            mapped_buffers.put(target)
+            return memoryview(target)[:size]
         if n > _SMALL_SEGMENT:
             parts.append(payload)
         elif parts and type(parts[-1]) is bytearray:
@@ -314,3 +361,39 @@ class Reassembly:
     def clear(self) -> None:
         self.parts = []
         self.size = 0
+        self.placed = 0
+        if self.target is not None:
+            mapped_buffers.put(self.target)
+            self.target = None
+
+
+class MappedBuffers:
+    """Anonymous mmaps for whole stream messages, reused once nothing views them (their pages
+    are then faulted in already). At most `max_buffers` are kept; a map's untouched pages
+    cost no memory."""
+
+    def __init__(self, max_buffers: int = 4) -> None:
+        self._maps: list = []
+        self.max_buffers = max_buffers
+
+    def take(self, size: int) -> mmap.mmap:
+        maps = self._maps
+        for i in range(len(maps)):
+            m = maps[i]
+            # references: the list, `m`, getrefcount's argument; any view holds one more
+            if len(m) == size and sys.getrefcount(m) == 3:
+                del maps[i]
+                return m
+        return mmap.mmap(-1, size)
+
+    def put(self, m: mmap.mmap) -> None:
+        maps = self._maps
+        maps.append(m)
+        if len(maps) > self.max_buffers:
+            del maps[0]
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+mapped_buffers = MappedBuffers()

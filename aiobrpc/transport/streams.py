@@ -30,12 +30,13 @@ class StreamTable:
     """`streams` maps local stream id -> endpoint (an aiobrpc.Stream); `stats` is the owner's
     counters (ClientStats or ServerStats: `stream_frames_dropped`)."""
 
-    __slots__ = ("conn", "streams", "stats", "awaiting_gone", "_data_routes", "_feedback_routes")
+    __slots__ = ("conn", "streams", "stats", "awaiting_gone", "_data_routes", "_feedback_routes", "placing")
 
     def __init__(self, conn, stats) -> None:
         self.conn = conn
         self.streams: dict = {}
         self.stats = stats
+        self.placing = False  # segments are received into their message's place (_place_segments)
         # Client: first streams of calls that ended before their response came (id -> None),
         # oldest first, at most _MAX_AWAITING_GONE: a late response to one is read, not just reset.
         self.awaiting_gone: dict = {}
@@ -68,10 +69,33 @@ class StreamTable:
         if len(gone) > _MAX_AWAITING_GONE:
             del gone[next(iter(gone))]
 
+    def _place_segments(self) -> None:
+        # A message in segments came: from now on the connection receives the segments of
+        # long messages straight into the message's place (protocol/placement.py). Only then:
+        # that decoder costs a Python call per read, which small messages need not pay.
+        self.placing = True
+        self.conn.placing_decoder().place_stream = self.segment_destination
+
+    def segment_destination(self, meta, size: int):
+        """For the connection's decoder: where a large STRM frame's payload (`size` bytes) is
+        to be received, given its meta's bytes; None for the usual way."""
+        key = bytes(meta)
+        route = self._data_routes.get(key)
+        if route is not None:
+            return route[0]._segment_destination(size, route[1])
+        try:
+            fm = _decode_frame_meta(key)
+        except RemoteProtocolError:
+            return None  # frame_received reports it
+        stream = self.streams.get(fm.stream_id) if fm.frame_type == _DATA else None
+        return None if stream is None else stream._segment_destination(size, fm.has_continuation)
+
     def frame_received(self, ev) -> None:
         key = bytes(ev.meta)
         route = self._data_routes.get(key)
         if route is not None:
+            if route[1] and not self.placing:
+                self._place_segments()
             route[0]._on_data(ev.payload, route[1])
             return
         # A FEEDBACK: prefix, then field 5 {1: consumed_size} as `L 08 varint` (L <= 11). The
@@ -105,6 +129,8 @@ class StreamTable:
             if len(routes) >= _MAX_ROUTES:
                 routes.clear()
             routes[key] = (stream, meta.has_continuation)
+            if meta.has_continuation and not self.placing:
+                self._place_segments()
             stream._on_data(ev.payload, meta.has_continuation)
         elif ftype == _FEEDBACK:
             if len(ev.payload):

@@ -93,6 +93,17 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._writelines_ok = False
         self.hold_events = False  # a subclass sets it to leave events buffered for now
 
+    def placing_decoder(self) -> PlacingDecoder:
+        """The decoder, made a PlacingDecoder (placing nothing yet) if it is not one."""
+        decoder = self.decoder
+        if type(decoder) is not PlacingDecoder:
+            decoder = self.decoder = PlacingDecoder.around(decoder)
+            self.get_buffer = decoder.get_buffer
+            if self.transport is not None:
+                # uvloop looks get_buffer up once, when it is given the protocol: again.
+                self.transport.set_protocol(self)
+        return decoder
+
     def receive_attachments_into(self, place) -> None:
         """Receive large attachments where `place(meta, data)` says (protocol/placement.py).
         Before the first byte arrives: the decoder is replaced."""

@@ -201,3 +201,77 @@ def test_a_decoder_can_start_placing_midway(role):
     got += receive(placing, wire[50_000:])
     assert summary(got) == summary(receive(baidu_std.Decoder(role), wire))
     assert [cid for cid, _ in chooser.asked] == [2]  # the first had begun as usual
+
+
+def strm(stream_id: int, payload: bytes, more: bool) -> bytes:
+    from aiobrpc.protocol import streaming
+    return streaming.data_head(streaming.data_meta(stream_id, 9, more), len(payload)) + payload
+
+
+@pytest.mark.parametrize("read", [50, 64 * 1024, 1 << 20])
+def test_large_stream_segments_land_where_place_stream_says(read):
+    segments = [(pattern(LARGE, 1), True), (pattern(100, 2), True), (pattern(2 * LARGE + 3, 3), False)]
+    wire = b"".join(strm(5, p, more) for p, more in segments) + message(baidu_std.CLIENT, 1, b"x", pattern(LARGE, 4))
+    asked = []
+    buffers = []
+
+    def place_stream(meta, size):
+        asked.append(size)
+        buffers.append(bytearray(size))
+        return memoryview(buffers[-1])
+
+    events = receive(PlacingDecoder(baidu_std.CLIENT, None, place_stream=place_stream), wire, read=read)
+    plain = receive(baidu_std.Decoder(baidu_std.CLIENT), wire, read=read)
+    assert [(type(e).__name__, bytes(getattr(e, "payload", b"")) or bytes(e.attachment)) for e in events] == \
+        [(type(e).__name__, bytes(getattr(e, "payload", b"")) or bytes(e.attachment)) for e in plain]
+    assert asked == [LARGE, 2 * LARGE + 3]  # the 100-byte segment and the PRPC frame: as usual
+    assert [bytes(b) for b in buffers] == [segments[0][0], segments[2][0]]
+    assert events[0].payload.obj is buffers[0] and events[2].payload.obj is buffers[1]
+
+
+def test_reassembly_into_its_place_mixes_placed_and_copied_segments():
+    import mmap
+
+    from aiobrpc.errors import RemoteProtocolError
+    from aiobrpc.protocol.streaming import Reassembly
+    r = Reassembly(1 << 20)
+    assert r.add(b"first", True) is None and r.busy
+    dest = r.place(300)  # the earlier segment moves into the message's buffer
+    dest[:] = b"p" * 300
+    assert r.place(10) is None  # one segment at a time
+    assert r.add(dest, True) is None
+    assert r.add(b"tail", False) == b"first" + b"p" * 300 + b"tail"
+    msg = r.add(b"x", True) or r.add(b"y", False)
+    assert bytes(msg) == b"xy" and not r.busy
+    dest = r.place(200)
+    assert type(dest.obj) is mmap.mmap
+    dest[:] = b"q" * 200
+    out = r.add(dest, False)
+    assert bytes(out) == b"q" * 200 and out.obj is dest.obj
+    # too large: reported, and the buffer goes back
+    dest = r.place(1000)
+    assert r.add(dest, True) is None
+    assert r.place(1 << 20) is None  # would pass max_size: as usual, where add() reports it
+    with pytest.raises(RemoteProtocolError, match="max_body_size"):
+        r.add(bytes(1 << 20), True)
+    assert not r.busy and r.size == 0
+
+
+def test_mapped_buffers_are_reused_only_when_nothing_views_them():
+    from aiobrpc.protocol.streaming import MappedBuffers
+    cache = MappedBuffers(max_buffers=2)
+    a = cache.take(1 << 16)
+    view = memoryview(a)
+    cache.put(a)
+    first = id(a)
+    del a
+    b = cache.take(1 << 16)
+    assert id(b) != first  # the first is still viewed: a new one
+    del b
+    view.release()
+    c = cache.take(1 << 16)
+    assert id(c) == first  # nothing views it any more: reused
+    cache.put(c)
+    for size in (1 << 12, 1 << 13, 1 << 14):
+        cache.put(cache.take(size))
+    assert len(cache) == 2  # bounded

@@ -73,6 +73,30 @@ async def test_messages_from_1_byte_to_64_mib_echo_byte_exact_in_order(echo_pair
     assert await stream.read() is None
 
 
+async def test_segments_of_long_messages_are_received_in_their_place(echo_pair):
+    """After the first message in segments, the connection receives segments straight into
+    the message's buffer (an mmap, reused): long messages come out as views of it, byte-exact,
+    with single-frame and tiny messages in between as before."""
+    import mmap
+
+    from aiobrpc.protocol.placement import PlacingDecoder
+    _, _, channel, stub = echo_pair
+    stream, _ = await open_stream(stub)
+    [conn] = [c for p in channel.pools.values() for c in p.connections]
+    assert type(conn.decoder) is not PlacingDecoder  # nothing in segments yet: the plain decoder
+    sizes = [5, 2 * MIB + 3, MIB, 70_000, 3 * MIB, 1, 5 * MIB + 1]
+    messages = [os.urandom(n) for n in sizes]
+    got = []
+    for m in messages:  # one at a time: more than both windows would wait for a reader
+        await stream.write(m)
+        got.append(await asyncio.wait_for(stream.read(), 10))
+    assert [bytes(g) for g in got] == messages
+    assert type(conn.decoder) is PlacingDecoder and conn.streams.placing
+    placed = [type(g.obj) is mmap.mmap for g in got]
+    assert placed[4] and placed[6] and not placed[0] and not placed[2]  # the echoed long ones
+    await stream.close()
+
+
 async def test_any_buffer_is_a_message(echo_pair):
     np = pytest.importorskip("numpy")
     _, _, _, stub = echo_pair
