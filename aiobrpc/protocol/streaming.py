@@ -277,7 +277,7 @@ class Reassembly:
     messages once no view of the last one is alive (`MappedBuffers`).
     """
 
-    __slots__ = ("parts", "size", "max_size", "target", "placed")
+    __slots__ = ("parts", "size", "max_size", "target", "placed", "touched")
 
     def __init__(self, max_size: int) -> None:
         self.parts: list = []
@@ -285,6 +285,7 @@ class Reassembly:
         self.max_size = max_size
         self.target: mmap.mmap | None = None  # where the message is assembled, once placing
         self.placed = 0  # size of the segment being received into target now
+        self.touched = 0  # bytes of target's pages that exist (written by an earlier message)
 
     @property
     def busy(self) -> bool:
@@ -298,7 +299,8 @@ class Reassembly:
             return None  # add() reports a message too large
         target = self.target
         if target is None:
-            target = self.target = mapped_buffers.take(self.max_size)
+            target, self.touched = mapped_buffers.take(self.max_size)
+            self.target = target
             pos = 0
             for part in self.parts:  # what came before, received as usual
                 k = len(part)
@@ -330,7 +332,7 @@ class Reassembly:
                 return None
             self.target = None
             self.size = 0
-            mapped_buffers.put(target)
+            mapped_buffers.put(target, max(self.touched, size))
             return memoryview(target)[:size]
         if n > _SMALL_SEGMENT:
             parts.append(payload)
@@ -363,34 +365,42 @@ class Reassembly:
         self.size = 0
         self.placed = 0
         if self.target is not None:
-            mapped_buffers.put(self.target)
+            mapped_buffers.put(self.target, max(self.touched, self.size))
             self.target = None
 
 
 class MappedBuffers:
     """Anonymous mmaps for whole stream messages, reused once nothing views them (their pages
-    are then faulted in already). At most `max_buffers` are kept; a map's untouched pages
-    cost no memory."""
+    are then faulted in already). Kept: at most `max_buffers` maps whose written pages come to
+    at most `max_bytes`, oldest out first (a map's untouched pages cost no memory; one that
+    leaves is unmapped once its last message is dropped)."""
 
-    def __init__(self, max_buffers: int = 4) -> None:
-        self._maps: list = []
+    def __init__(self, max_buffers: int = 4, max_bytes: int = 64 << 20) -> None:
+        self._maps: list = []  # [map, bytes of it written so far]
         self.max_buffers = max_buffers
+        self.max_bytes = max_bytes
 
-    def take(self, size: int) -> mmap.mmap:
+    def take(self, size: int) -> tuple[mmap.mmap, int]:
+        """A map of `size` bytes nothing views, or a new one; and how much of it is written."""
         maps = self._maps
         for i in range(len(maps)):
-            m = maps[i]
-            # references: the list, `m`, getrefcount's argument; any view holds one more
+            m = maps[i][0]
+            # references: the list's pair, `m`, getrefcount's argument; any view holds one more
             if len(m) == size and sys.getrefcount(m) == 3:
-                del maps[i]
-                return m
-        return mmap.mmap(-1, size)
+                return m, maps.pop(i)[1]
+        return mmap.mmap(-1, size), 0
 
-    def put(self, m: mmap.mmap) -> None:
+    def put(self, m: mmap.mmap, touched: int) -> None:
+        if touched > self.max_bytes:
+            return  # more than the cap on its own: not kept
         maps = self._maps
-        maps.append(m)
-        if len(maps) > self.max_buffers:
+        maps.append([m, touched])
+        while len(maps) > self.max_buffers or sum(t for _, t in maps) > self.max_bytes:
             del maps[0]
+
+    def nbytes(self) -> int:
+        """Bytes of the kept maps' pages that exist."""
+        return sum(t for _, t in self._maps)
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -259,19 +259,28 @@ def test_reassembly_into_its_place_mixes_placed_and_copied_segments():
 
 def test_mapped_buffers_are_reused_only_when_nothing_views_them():
     from aiobrpc.protocol.streaming import MappedBuffers
-    cache = MappedBuffers(max_buffers=2)
-    a = cache.take(1 << 16)
+    cache = MappedBuffers(max_buffers=2, max_bytes=1 << 20)
+    a, written = cache.take(1 << 16)
+    assert written == 0
     view = memoryview(a)
-    cache.put(a)
+    cache.put(a, 1000)
     first = id(a)
     del a
-    b = cache.take(1 << 16)
+    b, _ = cache.take(1 << 16)
     assert id(b) != first  # the first is still viewed: a new one
     del b
     view.release()
-    c = cache.take(1 << 16)
-    assert id(c) == first  # nothing views it any more: reused
-    cache.put(c)
+    c, written = cache.take(1 << 16)
+    assert id(c) == first and written == 1000  # nothing views it any more: reused
+    cache.put(c, 1000)
     for size in (1 << 12, 1 << 13, 1 << 14):
-        cache.put(cache.take(size))
-    assert len(cache) == 2  # bounded
+        m, _ = cache.take(size)
+        cache.put(m, size)
+    assert len(cache) == 2  # at most max_buffers
+    m, _ = cache.take(1 << 21)
+    cache.put(m, 1 << 21)  # more written than max_bytes on its own: not kept
+    assert len(cache) == 2 and cache.nbytes() <= 1 << 20
+    for _ in range(2):
+        m, _ = cache.take(1 << 20)
+        cache.put(m, 600 << 10)
+    assert len(cache) == 1 and cache.nbytes() == 600 << 10  # the written bytes are capped too
