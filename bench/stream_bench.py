@@ -173,12 +173,12 @@ async def _measure(pump, counter: list, seconds: float) -> float:
     return (counter[0] - start_bytes) / (_clock() - start) / 1e6
 
 
-async def run(seconds: float, max_buf_size: int, rounds: int) -> list:
+async def run(seconds: float, max_buf_size: int, rounds: int, sizes: list | None = None) -> list:
     """Per size, `rounds` rounds of raw, stream and unary one after the other: each figure is the
     median of its rounds, each ratio the median of the ratios of one round (a round's three
     figures share the machine's state of that moment)."""
     rows = []
-    for name, size in SIZES:
+    for name, size in sizes or SIZES:
         rates: list[tuple[float, float, float]] = []
         for _ in range(rounds):
             r = await raw(size, seconds)
@@ -200,16 +200,19 @@ def main(argv=None) -> None:
     p.add_argument("--max-buf-size", type=int, default=2 * 1024 * 1024, help="the stream's window")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="divide by wall time or by this process's CPU time")
+    p.add_argument("--sizes", nargs="+", choices=[name.replace(" ", "") for name, _ in SIZES],
+                   help="only these message sizes (default all), e.g. --sizes 16MiB")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.seconds <= 0:
         p.error("--rounds must be at least 1 and --seconds positive")
     global _clock
     _clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    sizes = [(n, b) for n, b in SIZES if args.sizes is None or n.replace(" ", "") in args.sizes]
     if args.loop == "uvloop":
         import uvloop
-        rows = uvloop.run(run(args.seconds, args.max_buf_size, args.rounds))
+        rows = uvloop.run(run(args.seconds, args.max_buf_size, args.rounds, sizes))
     else:
-        rows = asyncio.run(run(args.seconds, args.max_buf_size, args.rounds))
+        rows = asyncio.run(run(args.seconds, args.max_buf_size, args.rounds, sizes))
     print(f"loop={args.loop} implementation={aiobrpc.implementation()} seconds={args.seconds} "
           f"rounds={args.rounds} max_buf_size={args.max_buf_size} clock={args.clock}")
     print("| message | raw socket MB/s | stream MB/s | unary (attachment) MB/s | stream / raw "
