@@ -89,8 +89,8 @@ class Controller:
     attachment is exactly `buf`'s size and arrives after the response's head (over 64 KiB),
     the kernel writes it into `buf` and `response_attachment` is a view of `buf`. Otherwise
     (another size, a reply that came whole in one read, a backup or retry whose reply won while
-    another was being placed) `response_attachment` is a buffer of aiobrpc's own: test
-    `np.shares_memory`-style, or simply copy from `response_attachment` when it is not `buf`.
+    another was being placed) `response_attachment` is a buffer of aiobrpc's own: copy from it
+    when it is not a view of `buf` (`tensor.unpack(..., out=)` does exactly that).
     Until the call has ended, `buf` may be written by any attempt of it; after, never.
 
     Attributes:

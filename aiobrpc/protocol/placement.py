@@ -60,17 +60,7 @@ class PlacingDecoder(Decoder):
     def __init__(self, role: str, place: Place | None, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                  place_stream: PlaceStream | None = None, **buffer_options) -> None:
         super().__init__(role, max_body_size, **buffer_options)
-        self.place = place
-        self.place_stream = place_stream
-        self._header_next = False
-        self._placing: _Placed | None = None
-        self._done: _Placed | None = None
-        self._max_body = max_body_size
-        # The plain Decoder binds the reader's methods for speed; these wrap them.
-        self.get_buffer = self._get_buffer
-        self.buffer_updated = self._buffer_updated
-        self.next_frame = self._next_frame
-        self.pending_bytes = self._pending_bytes
+        self._start_placing(place, place_stream)
 
     @classmethod
     def around(cls, decoder: Decoder, place: Place | None = None,
@@ -80,17 +70,21 @@ class PlacingDecoder(Decoder):
         new = cls.__new__(cls)
         for name in Decoder.__slots__:
             setattr(new, name, getattr(decoder, name))
-        new.place = place
-        new.place_stream = place_stream
-        new._header_next = False
-        new._placing = None
-        new._done = None
-        new._max_body = decoder._reader.max_body_size
-        new.get_buffer = new._get_buffer
-        new.buffer_updated = new._buffer_updated
-        new.next_frame = new._next_frame
-        new.pending_bytes = new._pending_bytes
+        new._start_placing(place, place_stream)
         return new
+
+    def _start_placing(self, place: Place | None, place_stream: PlaceStream | None) -> None:
+        self.place = place
+        self.place_stream = place_stream
+        self._header_next = False
+        self._placing: _Placed | None = None
+        self._done: _Placed | None = None
+        self._max_body = self._reader.max_body_size
+        # The plain Decoder binds the reader's methods for speed; these wrap them.
+        self.get_buffer = self._get_buffer
+        self.buffer_updated = self._buffer_updated
+        self.next_frame = self._next_frame
+        self.pending_bytes = self._pending_bytes
 
     def divert(self, correlation_id: int) -> None:
         """The frame of `correlation_id`, if it is being placed, goes on into a buffer of its
@@ -206,30 +200,29 @@ class PlacingDecoder(Decoder):
             return meta_end - have
         if kind == _fast.KIND_STRM:
             return 0
-        head_end = self._head_end(rbuf, body_size, meta_size)
+        head_end, _ = self._head(rbuf, body_size, meta_size)
         if head_end < 0:
             return -1
         return max(0, head_end - have)
 
-    def _head_end(self, rbuf, body_size: int, meta_size: int) -> int:
+    def _head(self, rbuf, body_size: int, meta_size: int) -> tuple:
+        """(where the PRPC frame's head ends, its meta); (-1, None): not a frame to place."""
         try:
             meta = self._decode_meta(rbuf.peek(HEADER + meta_size)[HEADER:])
         except Exception:  # noqa: BLE001 - the usual path reports a bad meta
-            return -1
+            return -1, None
         att = meta.attachment_size or 0
         data_size = body_size - meta_size - att
         if att <= 0 or data_size < 0 or data_size > MAX_HEAD_BYTES:
-            return -1
-        return HEADER + meta_size + data_size
+            return -1, None
+        return HEADER + meta_size + data_size, meta
 
     def _begin_placing(self, rbuf, have: int) -> bool:
         kind, body_size, meta_size = _fast.parse_header(rbuf.peek(HEADER))
         if kind == _fast.KIND_STRM:
             return self._begin_placing_segment(rbuf, have, body_size, meta_size)
-        head_end = self._head_end(rbuf, body_size, meta_size)
-        head = rbuf.peek(head_end)
-        meta = self._decode_meta(head[HEADER:HEADER + meta_size])
-        data = head[HEADER + meta_size:]
+        head_end, meta = self._head(rbuf, body_size, meta_size)
+        data = rbuf.peek(head_end)[HEADER + meta_size:]
         att = meta.attachment_size
         try:
             dest = self.place(meta, data)

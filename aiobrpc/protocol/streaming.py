@@ -301,11 +301,7 @@ class Reassembly:
         if target is None:
             target, self.touched = mapped_buffers.take(self.max_size)
             self.target = target
-            pos = 0
-            for part in self.parts:  # what came before, received as usual
-                k = len(part)
-                target[pos:pos + k] = part
-                pos += k
+            _copy_parts(target, self.parts)  # what came before, received as usual
             self.parts = []
         self.placed = n
         return memoryview(target)[self.size:size]
@@ -350,11 +346,7 @@ class Reassembly:
         if buf is None:
             buf = bytearray().join(parts)
         else:
-            pos = 0
-            for part in parts:
-                n = len(part)
-                buf[pos:pos + n] = part
-                pos += n
+            _copy_parts(buf, parts)
         if size > _SMALL_SEGMENT:
             large_buffers.put(buf)
         self.clear()
@@ -367,6 +359,15 @@ class Reassembly:
         if self.target is not None:
             mapped_buffers.put(self.target, max(self.touched, self.size))
             self.target = None
+
+
+def _copy_parts(dest, parts: list) -> None:
+    """The parts one after the other at the start of `dest`."""
+    pos = 0
+    for part in parts:
+        n = len(part)
+        dest[pos:pos + n] = part
+        pos += n
 
 
 class MappedBuffers:

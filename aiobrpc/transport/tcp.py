@@ -105,12 +105,8 @@ class FramedConnection(asyncio.BufferedProtocol):
         return decoder
 
     def receive_attachments_into(self, place) -> None:
-        """Receive large attachments where `place(meta, data)` says (protocol/placement.py).
-        Before the first byte arrives: the decoder is replaced."""
-        if self.decoder.pending_bytes() or self.decoder.reader.frames:
-            raise RuntimeError("attachment placement must be chosen before the connection receives bytes")
-        self.decoder = PlacingDecoder(self.decoder.role, place, self.max_body_size)
-        self.get_buffer = self.decoder.get_buffer
+        """Receive large attachments where `place(meta, data)` says (protocol/placement.py)."""
+        self.placing_decoder().place = place
 
     # -- asyncio callbacks --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
