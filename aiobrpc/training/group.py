@@ -341,7 +341,7 @@ class Group:
             return
         ack = task.result()
         if ack.error:
-            self._fail(CollectiveError(ack.error, tuple(ack.ranks)))
+            self._fail(_error(ack.error, ack.ranks, ack.timed_out))
             return
         self._pump(flight)
         self._check_done(flight)
@@ -352,23 +352,24 @@ class Group:
             flight.future.set_result(None)
 
     # -- receiving -----------------------------------------------------------------------------
-    async def _flight_for(self, seq: int) -> _Flight | str:
+    async def _flight_for(self, seq: int) -> _Flight | CollectiveError:
         """The running collective number `seq`, waiting for it to start; or why not."""
         cur = self._current
         if cur is not None and cur.seq == seq:
             return cur
         if self._broken is not None:
-            return str(self._broken)
+            return self._broken
         if seq <= self.ops_started:
-            return f"rank {self.rank} has already finished collective #{seq}"
+            return CollectiveError(f"rank {self.rank} has already finished collective #{seq}", (self.rank,))
         waiter = self._waiters.get(seq)
         if waiter is None:
             waiter = self._waiters[seq] = self._loop.create_future()
         try:
             flight = await asyncio.wait_for(asyncio.shield(waiter), self.timeout)
         except asyncio.TimeoutError:
-            return f"rank {self.rank} did not start collective #{seq} within {self.timeout:g} s"
-        return flight if flight is not None else str(self._broken)
+            return CollectiveTimeout(f"rank {self.rank} did not start collective #{seq} within "
+                                     f"{self.timeout:g} s", (self.rank,))
+        return flight if flight is not None else self._broken
 
     async def segment_received(self, req: pb.SegmentRequest, flight: _Flight, attachment: Any) -> pb.Ack:
         op = flight.op
@@ -395,7 +396,7 @@ class Group:
                 err = CollectiveError(f"{flight.describe()}: rank {self.rank} cannot take a segment from "
                                       f"rank {req.src}: {e}", (req.src,))
         self._fail(err)
-        return pb.Ack(error=str(err), ranks=err.ranks)
+        return _refusal(err)
 
     def _reducer_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         # One thread: a collective's segments are taken one after another, never together.
@@ -420,7 +421,8 @@ class Group:
             seq = cur.seq if cur is not None else self.ops_started
             for r in range(self.world_size):
                 if r != self.rank and r not in err.ranks:
-                    req = pb.AbortRequest(group=self.id, src=self.rank, op=seq, ranks=err.ranks, reason=str(err))
+                    req = pb.AbortRequest(group=self.id, src=self.rank, op=seq, ranks=err.ranks, reason=str(err),
+                                          timed_out=isinstance(err, CollectiveTimeout))
                     self._spawn(self._tell(r, req))
 
     async def _tell(self, rank: int, req: pb.AbortRequest) -> None:
@@ -428,8 +430,8 @@ class Group:
             await self._stub(rank).Abort(req, Controller(timeout_ms=int(CONTROL_TIMEOUT_S * 1000)))
 
     def aborted_by(self, req: pb.AbortRequest) -> None:
-        self._fail(CollectiveError(f"{req.reason} (reported to rank {self.rank} by rank {req.src})",
-                                   tuple(req.ranks)), tell_peers=False)
+        self._fail(_error(f"{req.reason} (reported to rank {self.rank} by rank {req.src})", req.ranks,
+                          req.timed_out), tell_peers=False)
 
     async def _diagnose(self, flight: _Flight) -> None:
         """Shortly before the timeout: ask every rank where it is, then fail naming the culprits."""
@@ -502,8 +504,8 @@ class _CollectiveServicer(Servicer):
             return pb.Ack(error=f"rank {g.rank} is in group {g.id}, not {req.group}: a stale or "
                                 f"foreign rank sent to it")
         flight = await g._flight_for(req.op)
-        if isinstance(flight, str):
-            return pb.Ack(error=flight, ranks=_ranks_of(g, flight))
+        if isinstance(flight, CollectiveError):
+            return _refusal(flight)
         return await g.segment_received(req, flight, cntl.request_attachment)
 
     async def Abort(self, req: pb.AbortRequest, cntl: Controller) -> pb.Ack:
@@ -516,11 +518,14 @@ class _CollectiveServicer(Servicer):
         return pb.StatusResponse(rank=g.rank, ops_started=g.ops_started, ops_finished=g.ops_finished)
 
 
-def _ranks_of(group: Group, why: str) -> tuple[int, ...]:
-    broken = group.broken
-    if broken is not None and str(broken) == why:
-        return broken.ranks
-    return (group.rank,)
+def _refusal(err: CollectiveError) -> pb.Ack:
+    return pb.Ack(error=str(err), ranks=err.ranks, timed_out=isinstance(err, CollectiveTimeout))
+
+
+def _error(text: str, ranks, timed_out: bool) -> CollectiveError:
+    """An error another rank reported, of the type it had there: a rank that learns of a
+    timeout from its neighbour raises CollectiveTimeout, as the neighbour does."""
+    return (CollectiveTimeout if timed_out else CollectiveError)(text, tuple(ranks))
 
 
 def _probe_time(timeout: float) -> float:
