@@ -30,6 +30,8 @@ from .naming import ServerNode, create_naming_service, is_naming_url
 from .naming.list import ListNamingService
 from .pool import ServerPool, cancel_on_dead_loop
 
+_new_controller = object.__new__
+
 log = logging.getLogger(__name__)
 
 # A naming service whose watch raised is watched again after this backoff, doubled per failure.
@@ -267,7 +269,7 @@ class Channel:
         Raises RpcError on failure (also recorded in `cntl`).
         """
         if cntl is None:
-            cntl = Controller()
+            cntl = _new_controller(Controller)  # Controller() with no argument: nothing to check
         else:
             cntl.reset_result()
         loop = asyncio.get_running_loop()
@@ -280,11 +282,13 @@ class Channel:
         cntl.service_name = service_name
         cntl.method_name = method_name
         try:
-            serialized = content.serialize(request, cntl.request_content_type)
+            ctype = cntl.request_content_type
+            serialized = request.SerializeToString() if ctype == content.PB else content.serialize(request, ctype)
         except (EncodeError, ValueError, TypeError) as e:
             cntl.error_code, cntl.error_text = EREQUEST, f"Fail to serialize request: {e}"
             raise RpcError(EREQUEST, cntl.error_text) from None
-        self._check_open(cntl)
+        if self._closed:
+            self._check_open(cntl)
         started = None
         if self.lb is not None and not self.pools and (self._first_list is None or not self._first_list.done()):
             started = loop.time()  # the wait for the first list is part of the call's time

@@ -31,13 +31,16 @@ _leave_task = asyncio.tasks._leave_task
 _copy_context = contextvars.copy_context
 _CancelledError = asyncio.CancelledError
 _NOTHING = object()
+_new = object.__new__
 
 
 def run_inline(coro, loop) -> asyncio.Task | None:
     """Step `coro` now, as `loop`'s current task; None when it finished without suspending,
     else the Task that runs the rest of it. No task may be running on `loop`."""
     ctx = _copy_context()
-    inline = InlineTask(loop, coro)
+    inline = _new(InlineTask)  # InlineTask(loop, coro) without an __init__ frame
+    inline._loop = loop
+    inline._coro = coro
     _enter_task(loop, inline)
     try:
         yielded = ctx.run(coro.send, None)
@@ -68,16 +71,16 @@ _RUNNING, _FINISHED = 0, 1
 class InlineTask:
     """`asyncio.current_task()` while a coroutine runs inline; forwards to its Task once it has one."""
 
-    __slots__ = ("_loop", "_coro", "_task", "_state", "_cancels", "_must_cancel", "_cancel_msg")
+    # Class defaults: run_inline sets only what differs (no __init__ call per request).
+    _task = None
+    _state = _RUNNING
+    _cancels = 0
+    _must_cancel = False
+    _cancel_msg = None
 
     def __init__(self, loop, coro) -> None:
         self._loop = loop
         self._coro = coro
-        self._task = None
-        self._state = _RUNNING
-        self._cancels = 0
-        self._must_cancel = False
-        self._cancel_msg = None
 
     def _promoted(self, task: asyncio.Task) -> None:
         if self._must_cancel:  # the coroutine cancelled its own task, then awaited

@@ -15,9 +15,11 @@ import inspect
 import logging
 import sys
 
+from .. import _fast
 from ..errors import EFAILEDSOCKET, EINTERNAL, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
 from ..options import ServerOptions
 from ..protocol import streaming
+from ..protocol.baidu_std import MAGIC
 from ..stream import streams_failed
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
@@ -28,7 +30,8 @@ from .dispatch import (Registry, admission_error, error_response, exception_text
 
 log = logging.getLogger(__name__)
 _new_task = asyncio.Task
-_current_task = asyncio.current_task
+# The running task of a loop: before 3.12 asyncio.current_task is Python around the C dict.
+_current_task = asyncio.current_task if sys.version_info >= (3, 12) else asyncio.tasks._current_tasks.get
 _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 # 3.11: run_inline does what eager tasks do. 3.10: a Task per request (run_inline hands a
 # suspended coroutine to a Task made with `context=`, which 3.10's Task does not take).
@@ -106,7 +109,7 @@ class Server:
         self._cancelling_requests = False  # join() cancels them: a CancelledError then is not a failure
         self._listener: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._idle_event: asyncio.Event | None = None
+        self._idle: asyncio.Future | None = None  # join() waits on it for concurrency to reach 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._idle_checker: asyncio.Task | None = None
         self.port = 0
@@ -140,8 +143,6 @@ class Server:
         self.stopping = False
         self.closing_connections = False
         self._cancelling_requests = False
-        self._idle_event = asyncio.Event()
-        self._idle_event.set()
         self._listener = await loop.create_server(lambda: ServerConnection(self), host, port,
                                                   reuse_address=True)
         sockname = self._listener.sockets[0].getsockname()
@@ -186,9 +187,11 @@ class Server:
             self._executor = None
 
     async def _finish_requests(self, timeout: float | None) -> None:
-        if self._idle_event is not None and not self._idle_event.is_set():
+        if self.concurrency:
+            if self._idle is None or self._idle.done():
+                self._idle = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(self._idle_event.wait(), timeout)
+                await asyncio.wait_for(asyncio.shield(self._idle), timeout)
             except asyncio.TimeoutError:
                 log.warning("cancelling %d requests still running after %ss", self.concurrency, timeout)
         self._cancelling_requests = True
@@ -264,17 +267,39 @@ class Server:
         self.stats.requests += 1
         meta = ev.meta
         offer = None
+        options = self.options
         try:
             if meta.stream_settings is not None:
                 try:
                     offer = streaming.decode_settings(meta.stream_settings)
                 except RemoteProtocolError as e:
                     raise RpcError(EREQUEST, f"the request's stream_settings: {e}") from None
-            rejected = admission_error(self, conn, ev)
-            if rejected is not None:
-                raise RpcError(*rejected)
-            entry = self.registry.lookup(meta.service_name, meta.method_name)
-            request = parse_request(entry, ev, self.options.max_decompressed_size)
+            # What admission_error checks, in one expression for the requests it lets in.
+            transport = conn.transport
+            limit = options.max_concurrency
+            if (self.stopping or ev.error is not None or not meta.has_request
+                    or (limit and self.concurrency >= limit)
+                    or conn._out_bytes + (transport.get_write_buffer_size() if transport is not None else 0)
+                    > conn.max_unwritten_bytes):
+                rejected = admission_error(self, conn, ev)
+                if rejected is not None:
+                    raise RpcError(*rejected)
+            methods = self.registry.services.get(meta.service_name)
+            entry = methods.get(meta.method_name) if methods is not None else None
+            if entry is None:  # a short service name, or none: lookup resolves it or says why
+                entry = self.registry.lookup(meta.service_name, meta.method_name)
+            request = None
+            data = ev.data
+            if not (meta.compress_type or meta.checksum_type or meta.content_type) and \
+                    len(data) <= options.max_decompressed_size:
+                try:
+                    request = entry.request_class.FromString(data)
+                except Exception:  # noqa: BLE001 - parse_request below says why
+                    pass
+                if request is not None and not request.IsInitialized():
+                    request = None
+            if request is None:  # checksum, compression, other content types, or an error to name
+                request = parse_request(entry, ev, options.max_decompressed_size)
         except Exception as e:
             if not isinstance(e, RpcError):  # a bug of ours: this request fails, the connection goes on
                 log.error("reading a request of %s/%s from %s raised %r", meta.service_name,
@@ -291,7 +316,6 @@ class Server:
             cntl._stream_offer = (conn, offer)
         self.concurrency += 1
         conn.inflight += 1
-        self._idle_event.clear()
         # A task per request that suspends, so a slow handler never delays the others; one
         # that finishes without suspending runs at once and costs no task nor loop iteration:
         # from 3.12 an eager task, before it run_inline (a task only from the first suspension).
@@ -335,24 +359,35 @@ class Server:
                 self.stats.count_close("close_connection")
                 conn.close()
                 return
-            bufs = None if cntl.failed else _success_reply(meta, entry, response, cntl)
+            bufs = None
+            if not cntl.error_code:
+                attachment = cntl.response_attachment
+                if (type(response) is entry.response_class and type(attachment) is not list
+                        and type(attachment) is not tuple
+                        and not (cntl.response_compress_type or cntl.response_checksum_type
+                                 or cntl.response_checksum_with_attachment or cntl._accepted_streams
+                                 or cntl._response_user_fields)):
+                    bufs = _plain_reply(meta, response, attachment)
+                if bufs is None:
+                    bufs = _success_reply(meta, entry, response, cntl)
             if bufs is None:
                 self.stats.failed_requests += 1
                 bufs = _error_reply(conn, meta, entry, cntl, self._tag(conn))
             if cntl._stream_offer is not None:
                 _stream_reply(conn, cntl, bufs)
             else:
-                conn.write(bufs, buffers_size(bufs), conn.inflight == 1)
+                conn.write(bufs, buffers_size(bufs), conn.inflight == 1, early=True)
         except Exception:
             # Not even an error reply could be built: closing is how the caller learns it.
             log.exception("no reply to %s from %s could be built; closing the connection", entry.full_name,
                           conn.peer)
             conn.abort()
         finally:
-            self._tasks.discard(_current_task(conn.loop))
+            if self._tasks:
+                self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1
-            if self.concurrency == 0:
-                self._idle_event.set()
+            if self.concurrency == 0 and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
             conn.request_done()
 
     @staticmethod
@@ -379,6 +414,36 @@ def _set_failed(cntl, entry, code, text) -> None:
         why = f"the handler's error RpcError({code!r}, {text!r}) is invalid: {exception_text(e)}"
         log.error("%s: %s", entry.full_name, why)
         cntl.error_code, cntl.error_text = EINTERNAL, why
+
+
+def _plain_reply(request_meta, response, attachment) -> list | None:
+    """The reply of a handler that set no more than the response and one attachment buffer:
+    what success_response makes of it, with less on the way. None when something in it
+    cannot be sent (success_response then names what)."""
+    try:
+        data = response.SerializeToString()
+        if attachment is not None and type(attachment) is not bytes:
+            attachment = _fast.byte_view(attachment)
+    except Exception:  # noqa: BLE001 - success_response reports it
+        return None
+    meta = _fast.RpcMeta()
+    meta.has_response = True
+    meta.error_code = 0
+    meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
+    meta.compress_type = 0
+    meta.content_type = 0
+    meta.checksum_type = 0
+    meta.checksum_value = request_meta.checksum_value if request_meta.checksum_value is not None else b""
+    size = len(data)
+    n = 0 if attachment is None else len(attachment) if type(attachment) is bytes else attachment.nbytes
+    if n:
+        if n > 0x7FFFFFFF:
+            return None
+        meta.attachment_size = n
+        head = _fast.pack_head(MAGIC, meta, size + n)
+        return [head, data, attachment] if size else [head, attachment]
+    head = _fast.pack_head(MAGIC, meta, size)
+    return [head, data] if size else [head]
 
 
 def _success_reply(meta, entry, response, cntl) -> list | None:

@@ -29,6 +29,14 @@ from ..protocol.placement import PlacingDecoder
 
 log = logging.getLogger(__name__)
 
+# Requests and replies (write(early=True)) queued in one loop iteration go out in groups of this
+# many instead of all at its end: the peer starts on the first group while this side makes the
+# next, so on two cores client and server work at once instead of taking turns. Measured with
+# bench/echo.py (16 B, 3 rounds): 4, 8, 12 and unbounded gave 34k, 44k, 30k and 24k QPS at 16 in
+# flight, 40k, 51k, 45k and 27k at 128; fewer per group pays a syscall and a wake-up of the peer
+# too often, more leaves the peer idle longer.
+EARLY_FLUSH_MESSAGES = 8
+
 DEFAULT_MAX_UNWRITTEN_BYTES = 64 * 1024 * 1024
 _JOIN_LIMIT = 64 * 1024  # asyncio only: buffers below this are joined, larger are written alone
 _LOG_INTERVAL = 1.0
@@ -87,6 +95,7 @@ class FramedConnection(asyncio.BufferedProtocol):
         self._out: list = []
         self._out_bytes = 0
         self._flush_scheduled = False
+        self._early_queued = 0
         # While set, write() only queues: the owner flushes everything at once when it ends
         # (a server handling the requests of one read inline: one writev for their replies).
         self.batching_writes = False
@@ -197,8 +206,13 @@ class FramedConnection(asyncio.BufferedProtocol):
         """Whether `nbytes` more may be queued without passing max_unwritten_bytes."""
         return self.unwritten_bytes() + nbytes <= self.max_unwritten_bytes
 
-    def write(self, buffers: list, nbytes: int = -1, alone: bool = False, now: bool = False) -> None:
+    def write(self, buffers: list, nbytes: int = -1, alone: bool = False, now: bool = False,
+              early: bool = False) -> None:
         """Queue one message's buffers; they go out at the end of this loop iteration.
+
+        `early`: a request or reply the peer can start on before the rest of this iteration's
+        messages: every EARLY_FLUSH_MESSAGES of them go out at once (stream frames do not set
+        it: a stream's writes of one iteration go in one send).
 
         `alone`: the caller knows no other message is coming now (one call in flight), so
         waiting for more to coalesce would only add a loop iteration of latency: it goes out
@@ -210,11 +224,18 @@ class FramedConnection(asyncio.BufferedProtocol):
             return
         if nbytes < 0:
             nbytes = buffers_size(buffers)
-        self._out.extend(buffers)
+        out = self._out
+        out.extend(buffers)
         self._out_bytes += nbytes
         if now:  # held replies of this read, if any, go out first: the order is kept
             self._flush()
             return
+        if early:
+            n = self._early_queued + 1
+            if n >= EARLY_FLUSH_MESSAGES:
+                self._send_queued()  # the scheduled flush, if any, sends what comes after
+                return
+            self._early_queued = n
         if self.batching_writes:
             return
         if alone and not self._flush_scheduled:
@@ -226,6 +247,10 @@ class FramedConnection(asyncio.BufferedProtocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        self._early_queued = 0
         out = self._out
         if not out or self.transport is None:
             return

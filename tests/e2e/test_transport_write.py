@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from aiobrpc.protocol.baidu_std import CLIENT
-from aiobrpc.transport.tcp import FramedConnection
+from aiobrpc.transport.tcp import EARLY_FLUSH_MESSAGES, FramedConnection
 
 
 class Recorder(asyncio.Transport):
@@ -48,3 +48,31 @@ async def test_a_message_alone_goes_out_at_once_unless_others_wait():
     assert t.writes == [b"x"]
     await asyncio.sleep(0)
     assert t.writes == [b"x", b"yz"]
+
+
+async def test_requests_and_replies_go_out_in_groups_so_the_peer_starts_early():
+    conn = FramedConnection(CLIENT, 1 << 20)
+    t = Recorder()
+    conn.connection_made(t)
+    n = EARLY_FLUSH_MESSAGES
+    for i in range(2 * n + 3):
+        conn.write([b"%c" % (65 + i)], early=True)
+        # every n messages go at once, without waiting for the end of the iteration
+        assert len(t.writes) == (i + 1) // n
+    await asyncio.sleep(0)
+    letters = bytes(range(65, 65 + 2 * n + 3))
+    assert t.writes == [letters[:n], letters[n:2 * n], letters[2 * n:]]  # in order, nothing lost
+    await asyncio.sleep(0)
+    assert len(t.writes) == 3  # the flush scheduled by the first one found nothing left
+
+
+async def test_other_writes_wait_for_the_end_of_the_iteration_and_keep_their_order():
+    conn = FramedConnection(CLIENT, 1 << 20)
+    t = Recorder()
+    conn.connection_made(t)
+    for i in range(3 * EARLY_FLUSH_MESSAGES):
+        conn.write([b"s"])  # stream frames: one send per iteration
+    assert t.writes == []
+    conn.write([b"r"], early=True)  # an early message goes after what was queued before it
+    await asyncio.sleep(0)
+    assert t.writes == [b"s" * 3 * EARLY_FLUSH_MESSAGES + b"r"]
