@@ -11,6 +11,7 @@ Decompression is capped: output beyond `max_size` is an error before it is alloc
 
 from __future__ import annotations
 
+import mmap
 import zlib
 
 import cramjam
@@ -78,9 +79,12 @@ def decompress(ctype: int, data, max_size: int, code: int = EREQUEST):
 _INFLATE_CHUNK = 64 * 1024
 
 
-def _inflate(ctype: int, data, max_size: int, code: int) -> bytearray:
-    # Inflate in bounded steps into one growing buffer: peak memory stays near the output
-    # size (never max_size twice over, as one big decompress() call would hold).
+def _inflate(ctype: int, data, max_size: int, code: int):
+    # Inflate in bounded steps. What fits in one step is returned as it is; a larger output
+    # goes into an anonymous map of max_size bytes, whose pages exist only where written: peak
+    # memory is the output itself, whatever the allocator does (a growing bytearray is copied
+    # when it cannot grow in place, holding twice its size for a moment), and never max_size
+    # twice over, as one big decompress() call would hold.
     label = NAMES[ctype]
     if ctype == GZIP and len(data) >= 18:
         # The gzip trailer declares the size mod 2**32 and zlib verifies it at the end, so a
@@ -90,25 +94,33 @@ def _inflate(ctype: int, data, max_size: int, code: int) -> bytearray:
         if declared > max_size:
             raise _err(f"gzip data declares {declared} bytes, exceeds max_decompressed_size={max_size}", code)
     d = zlib.decompressobj(31 if ctype == GZIP else 15)
-    out = bytearray()
-    pending = data
     try:
-        while True:
-            chunk = d.decompress(pending, _INFLATE_CHUNK)
-            if len(out) + len(chunk) > max_size:
-                del out, chunk  # a traceback would keep them alive
-                raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
-            out += chunk
-            pending = d.unconsumed_tail
-            if d.eof or not (chunk or pending):
-                break
+        chunk = d.decompress(data, _INFLATE_CHUNK)
+        if len(chunk) > max_size:
+            raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
+        out = None
+        size = len(chunk)
+        pending = d.unconsumed_tail
+        if not d.eof and (chunk or pending):
+            out = mmap.mmap(-1, max(max_size, 1))
+            out.write(chunk)
+            while True:
+                chunk = d.decompress(pending, _INFLATE_CHUNK)
+                if size + len(chunk) > max_size:
+                    out.close()
+                    raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
+                out.write(chunk)
+                size += len(chunk)
+                pending = d.unconsumed_tail
+                if d.eof or not (chunk or pending):
+                    break
     except zlib.error as e:
         raise _err(f"{label} data is corrupt: {e}", code) from None
     if not d.eof:
         raise _err(f"{label} data is truncated", code)
     if d.unused_data:
         raise _err(f"{len(d.unused_data)} bytes follow the end of the {label} stream", code)
-    return out
+    return chunk if out is None else memoryview(out)[:size]
 
 
 def _err(message: str, code: int) -> RemoteProtocolError:

@@ -258,6 +258,25 @@ def test_c3_c5_decompression_bombs_are_capped(ctype):
         tracemalloc.stop()
 
 
+@pytest.mark.parametrize("ctype", [compress.GZIP, compress.ZLIB])
+@pytest.mark.parametrize("size", [1, 64 * 1024 - 1, 64 * 1024, 64 * 1024 + 1, MIB - 1, MIB])
+def test_inflated_data_is_exact_up_to_the_cap_and_large_output_is_no_python_object(ctype, size):
+    raw = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    packed = compress.compress(ctype, raw)
+    tracemalloc.start()
+    try:
+        out = compress.decompress(ctype, packed, MIB)
+        # Past the first 64 KiB step the output is written into a map of its own: pages, not a
+        # Python buffer grown (and copied) step by step; a few 64 KiB steps are Python bytes.
+        assert tracemalloc.get_traced_memory()[1] < (size if size <= 64 * 1024 else 0) + 4 * 64 * 1024
+    finally:
+        tracemalloc.stop()
+    assert bytes(out) == raw
+    # gzip refuses by its declared size before inflating; zlib declares none and stops inflating
+    with pytest.raises(RemoteProtocolError, match="(inflates beyond|exceeds) max_decompressed_size"):
+        compress.decompress(ctype, packed, size - 1)
+
+
 def test_c3_gzip_bomb_with_a_lying_size_trailer_is_still_capped():
     bomb = bytearray(gzip.compress(b"\0" * (16 * MIB), 9))
     bomb[-4:] = (100).to_bytes(4, "little")  # claims 100 bytes
