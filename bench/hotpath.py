@@ -128,7 +128,6 @@ async def server_side(calls: int, batch: int, attachment: int = 0) -> float:
     servicer, echo_pb2 = _echo_service()
     server = aiobrpc.Server(aiobrpc.ServerOptions())
     server.add_service(servicer)
-    server._idle_event = asyncio.Event()  # what start() sets up, without a listener
     loop = asyncio.get_running_loop()
     replies = 0
     done = loop.create_future()
