@@ -115,7 +115,7 @@ class Call:
         self.max_retry = opts.max_retry if cntl.max_retry is None else cntl.max_retry
         idempotent = cntl.idempotent
         if idempotent is None:
-            idempotent = not opts.non_idempotent_methods or channel.is_idempotent(service_name, method_name)
+            idempotent = channel.is_idempotent(service_name, method_name)
         self.idempotent = idempotent
         self.ctype = opts.connection_type if cntl.connection_type is None else cntl.connection_type
         streams = self.streams = cntl._streams
@@ -176,20 +176,13 @@ class Call:
         att = Attempt(self, backup)
         self.current = att
         try:
-            pool = self.channel._single
-            if pool is None or not pool.available:
-                try:
-                    pool = self.channel._select_server(self.excluded)
-                except RpcError as e:
-                    self._ended(att, None, e)
-                    return
+            try:
+                pool = self.channel._select_server(self.excluded)
+            except RpcError as e:
+                self._ended(att, None, e)
+                return
             att.pool = pool
-            if self.ctype == SINGLE:  # pool.ready(SINGLE), inline
-                conn = pool.single
-                if conn is not None and conn.is_closed:
-                    conn = None
-            else:
-                conn = pool.ready(self.ctype)
+            conn = pool.ready(self.ctype)
             if conn is not None:
                 self._send(att, conn)
             else:
@@ -234,9 +227,7 @@ class Call:
             self._ended(att, None, RpcError(
                 EFAILEDSOCKET, f"Connection to {conn.peer} was lost before the request was sent"))
             return
-        transport = conn.transport
-        if (conn._out_bytes + (transport.get_write_buffer_size() if transport is not None else 0)
-                > conn.max_unwritten_bytes):  # conn.writable(), inline
+        if not conn.writable():
             self._ended(att, None, RpcError(
                 EOVERCROWDED, f"{conn.unwritten_bytes()} bytes are waiting to be written to {conn.peer} "
                               f"(max_unwritten_bytes={opts.max_unwritten_bytes})"))
@@ -280,12 +271,7 @@ class Call:
             if meta.checksum_type is None:
                 meta.checksum_type = 0
                 meta.checksum_value = _EMPTY
-            if attachment is None:  # baidu_std.pack's work, inline for a call without attachment
-                size = len(data)
-                head = _fast.pack_head(baidu_std.MAGIC, meta, size)
-                bufs = [head, data] if size else [head]
-            else:
-                bufs = baidu_std.pack(meta, data, attachment)
+            bufs = baidu_std.pack(meta, data, attachment)
         except (LocalProtocolError, ValueError, TypeError) as e:
             self._ended(att, None, RpcError(EREQUEST, f"Fail to pack request: {e}"))
             return
@@ -330,12 +316,10 @@ class Call:
         response = None
         opts = self.channel.options
         if code == 0:
-            response = _plain_response(ev, self.response_class, self.cntl, opts.max_decompressed_size)
-            if response is None:
-                try:
-                    response = _parse_response(ev, self.response_class, self.cntl, opts.max_decompressed_size)
-                except RpcError as e:
-                    code, text = e.code, e.text
+            try:
+                response = _parse_response(ev, self.response_class, self.cntl, opts.max_decompressed_size)
+            except RpcError as e:
+                code, text = e.code, e.text
         if code or self.errors is not None or self.cntl.has_backup_request:
             self._record(att, code)  # a lone successful attempt is described by the controller
         if pool is not None:
@@ -624,29 +608,23 @@ class Call:
         return "".join(parts)
 
 
-def _plain_response(ev, response_class, cntl: Controller, max_decompressed_size: int):
-    """_parse_response's result for a reply in protobuf with no compression, checksum nor user
-    fields; None for any other reply, or one that does not parse (_parse_response says why)."""
-    meta = ev.meta
-    data = ev.data
-    if (meta.compress_type or meta.checksum_type or meta.content_type or meta.user_fields
-            or meta.checksum_with_attachment or len(data) > max_decompressed_size):
-        return None
-    try:
-        response = response_class.FromString(data)
-    except Exception:  # noqa: BLE001
-        return None
-    if not response.IsInitialized():
-        return None
-    cntl.response_compress_type = 0
-    cntl.response_checksum_type = 0
-    cntl.response_checksum_with_attachment = False
-    cntl.response_attachment = ev.attachment
-    return response
-
-
 def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size: int):
     meta = ev.meta
+    data = ev.data
+    if not (meta.compress_type or meta.checksum_type or meta.content_type or meta.checksum_with_attachment
+            or meta.user_fields) and len(data) <= max_decompressed_size:
+        # Plain protobuf, the usual case, parsed with no more calls; what is wrong with it is
+        # named by the general way below.
+        try:
+            response = response_class.FromString(data)
+        except Exception:  # noqa: BLE001
+            response = None
+        if response is not None and response.IsInitialized():
+            cntl.response_compress_type = 0
+            cntl.response_checksum_type = 0
+            cntl.response_checksum_with_attachment = False
+            cntl.response_attachment = ev.attachment
+            return response
     # Recorded before the checks, as C++ brpc does: a reply that fails them still shows what it declared.
     cntl.response_compress_type = meta.compress_type or 0
     cntl.response_checksum_type = meta.checksum_type or 0

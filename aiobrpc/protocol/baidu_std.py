@@ -111,17 +111,18 @@ def pack(meta, data, attachment=None, magic: bytes = MAGIC) -> list:
     IOBuf of several blocks): each goes to the socket as it is.
     """
     size = len(data)
-    if attachment is None:
-        return [_fast.pack_head(magic, meta, size), data] if size else [_fast.pack_head(magic, meta, 0)]
-    if type(attachment) is list or type(attachment) is tuple:
-        views = attachment_views(attachment)
-        n = sum(v.nbytes for v in views)
-    else:
-        view = attachment if type(attachment) is bytes else _fast.byte_view(attachment)
-        views = [view]
-        n = len(view) if type(view) is bytes else view.nbytes
+    n = 0
+    if attachment is not None:
+        if type(attachment) is list or type(attachment) is tuple:
+            views = attachment_views(attachment)
+            n = sum(v.nbytes for v in views)
+        else:
+            view = attachment if type(attachment) is bytes else _fast.byte_view(attachment)
+            views = [view]
+            n = len(view) if type(view) is bytes else view.nbytes
     if n == 0:
-        return pack(meta, data, None, magic)
+        head = _fast.pack_head(magic, meta, size)
+        return [head, data] if size else [head]
     if n > 0x7FFFFFFF:
         raise LocalProtocolError(f"attachment of {n} bytes does not fit the int32 attachment_size")
     meta.attachment_size = n

@@ -94,26 +94,26 @@ def _inflate(ctype: int, data, max_size: int, code: int):
         if declared > max_size:
             raise _err(f"gzip data declares {declared} bytes, exceeds max_decompressed_size={max_size}", code)
     d = zlib.decompressobj(31 if ctype == GZIP else 15)
+    out = None  # the map, from the second step on
+    size = 0
+    pending = data
     try:
-        chunk = d.decompress(data, _INFLATE_CHUNK)
-        if len(chunk) > max_size:
-            raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
-        out = None
-        size = len(chunk)
-        pending = d.unconsumed_tail
-        if not d.eof and (chunk or pending):
-            out = mmap.mmap(-1, max(max_size, 1))
+        while True:
+            chunk = d.decompress(pending, _INFLATE_CHUNK)
+            size += len(chunk)
+            if size > max_size:
+                if out is not None:
+                    out.close()  # now: a traceback would keep its pages
+                raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
+            pending = d.unconsumed_tail
+            done = d.eof or not (chunk or pending)
+            if out is None:
+                if done:
+                    break  # it fit in one step: `chunk` is the output
+                out = mmap.mmap(-1, max(max_size, 1))
             out.write(chunk)
-            while True:
-                chunk = d.decompress(pending, _INFLATE_CHUNK)
-                if size + len(chunk) > max_size:
-                    out.close()
-                    raise _err(f"{label} data inflates beyond max_decompressed_size={max_size}", code)
-                out.write(chunk)
-                size += len(chunk)
-                pending = d.unconsumed_tail
-                if d.eof or not (chunk or pending):
-                    break
+            if done:
+                break
     except zlib.error as e:
         raise _err(f"{label} data is corrupt: {e}", code) from None
     if not d.eof:

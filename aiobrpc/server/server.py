@@ -15,11 +15,9 @@ import inspect
 import logging
 import sys
 
-from .. import _fast
 from ..errors import EFAILEDSOCKET, EINTERNAL, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
 from ..options import ServerOptions
 from ..protocol import streaming
-from ..protocol.baidu_std import MAGIC
 from ..stream import streams_failed
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
@@ -267,39 +265,17 @@ class Server:
         self.stats.requests += 1
         meta = ev.meta
         offer = None
-        options = self.options
         try:
             if meta.stream_settings is not None:
                 try:
                     offer = streaming.decode_settings(meta.stream_settings)
                 except RemoteProtocolError as e:
                     raise RpcError(EREQUEST, f"the request's stream_settings: {e}") from None
-            # What admission_error checks, in one expression for the requests it lets in.
-            transport = conn.transport
-            limit = options.max_concurrency
-            if (self.stopping or ev.error is not None or not meta.has_request
-                    or (limit and self.concurrency >= limit)
-                    or conn._out_bytes + (transport.get_write_buffer_size() if transport is not None else 0)
-                    > conn.max_unwritten_bytes):
-                rejected = admission_error(self, conn, ev)
-                if rejected is not None:
-                    raise RpcError(*rejected)
-            methods = self.registry.services.get(meta.service_name)
-            entry = methods.get(meta.method_name) if methods is not None else None
-            if entry is None:  # a short service name, or none: lookup resolves it or says why
-                entry = self.registry.lookup(meta.service_name, meta.method_name)
-            request = None
-            data = ev.data
-            if not (meta.compress_type or meta.checksum_type or meta.content_type) and \
-                    len(data) <= options.max_decompressed_size:
-                try:
-                    request = entry.request_class.FromString(data)
-                except Exception:  # noqa: BLE001 - parse_request below says why
-                    pass
-                if request is not None and not request.IsInitialized():
-                    request = None
-            if request is None:  # checksum, compression, other content types, or an error to name
-                request = parse_request(entry, ev, options.max_decompressed_size)
+            rejected = admission_error(self, conn, ev)
+            if rejected is not None:
+                raise RpcError(*rejected)
+            entry = self.registry.lookup(meta.service_name, meta.method_name)
+            request = parse_request(entry, ev, self.options.max_decompressed_size)
         except Exception as e:
             if not isinstance(e, RpcError):  # a bug of ours: this request fails, the connection goes on
                 log.error("reading a request of %s/%s from %s raised %r", meta.service_name,
@@ -359,17 +335,7 @@ class Server:
                 self.stats.count_close("close_connection")
                 conn.close()
                 return
-            bufs = None
-            if not cntl.error_code:
-                attachment = cntl.response_attachment
-                if (type(response) is entry.response_class and type(attachment) is not list
-                        and type(attachment) is not tuple
-                        and not (cntl.response_compress_type or cntl.response_checksum_type
-                                 or cntl.response_checksum_with_attachment or cntl._accepted_streams
-                                 or cntl._response_user_fields)):
-                    bufs = _plain_reply(meta, response, attachment)
-                if bufs is None:
-                    bufs = _success_reply(meta, entry, response, cntl)
+            bufs = None if cntl.error_code else _success_reply(meta, entry, response, cntl)
             if bufs is None:
                 self.stats.failed_requests += 1
                 bufs = _error_reply(conn, meta, entry, cntl, self._tag(conn))
@@ -414,36 +380,6 @@ def _set_failed(cntl, entry, code, text) -> None:
         why = f"the handler's error RpcError({code!r}, {text!r}) is invalid: {exception_text(e)}"
         log.error("%s: %s", entry.full_name, why)
         cntl.error_code, cntl.error_text = EINTERNAL, why
-
-
-def _plain_reply(request_meta, response, attachment) -> list | None:
-    """The reply of a handler that set no more than the response and one attachment buffer:
-    what success_response makes of it, with less on the way. None when something in it
-    cannot be sent (success_response then names what)."""
-    try:
-        data = response.SerializeToString()
-        if attachment is not None and type(attachment) is not bytes:
-            attachment = _fast.byte_view(attachment)
-    except Exception:  # noqa: BLE001 - success_response reports it
-        return None
-    meta = _fast.RpcMeta()
-    meta.has_response = True
-    meta.error_code = 0
-    meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
-    meta.compress_type = 0
-    meta.content_type = 0
-    meta.checksum_type = 0
-    meta.checksum_value = request_meta.checksum_value if request_meta.checksum_value is not None else b""
-    size = len(data)
-    n = 0 if attachment is None else len(attachment) if type(attachment) is bytes else attachment.nbytes
-    if n:
-        if n > 0x7FFFFFFF:
-            return None
-        meta.attachment_size = n
-        head = _fast.pack_head(MAGIC, meta, size + n)
-        return [head, data, attachment] if size else [head, attachment]
-    head = _fast.pack_head(MAGIC, meta, size)
-    return [head, data] if size else [head]
 
 
 def _success_reply(meta, entry, response, cntl) -> list | None:

@@ -204,7 +204,9 @@ class FramedConnection(asyncio.BufferedProtocol):
 
     def writable(self, nbytes: int = 0) -> bool:
         """Whether `nbytes` more may be queued without passing max_unwritten_bytes."""
-        return self.unwritten_bytes() + nbytes <= self.max_unwritten_bytes
+        t = self.transport  # unwritten_bytes(), without its call: this runs for every message
+        return self._out_bytes + (t.get_write_buffer_size() if t is not None else 0) + nbytes <= \
+            self.max_unwritten_bytes
 
     def write(self, buffers: list, nbytes: int = -1, alone: bool = False, now: bool = False,
               early: bool = False) -> None:

@@ -364,9 +364,7 @@ async def test_a_bug_while_reading_one_request_fails_that_request_only(monkeypat
     monkeypatch.setattr(server_module, "parse_request", parse_request)
     async with serving(InteropEcho()) as (server, stub):
         with pytest.raises(aiobrpc.RpcError) as ei:
-            # With a checksum: a plain protobuf request is parsed inline, without parse_request.
-            await asyncio.wait_for(stub.Echo(Req(message="a"), aiobrpc.Controller(request_checksum=True)),
-                                   HANG_LIMIT_S)
+            await asyncio.wait_for(stub.Echo(Req(message="a")), HANG_LIMIT_S)
         assert ei.value.code == errors.EINTERNAL and "ZeroDivisionError" in ei.value.text
         assert (await asyncio.wait_for(stub.Echo(Req(message="b")), HANG_LIMIT_S)).message == "b"
         assert stub.channel.stats.connections_made == 1
