@@ -118,7 +118,8 @@ class Stream:
                  "_peer_need_feedback", "_peer_writable", "produced", "_remote_consumed", "consumed",
                  "_unconsumed", "_feedback_sent", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
                  "_write_lock", "_waiters", "_reader", "_feedback_scheduled", "_idle_handle",
-                 "_last_active", "_closed_fut", "_handler_task", "_notified", "_close_pending",
+                 "_last_active", "_closed_fut", "_handler_task", "_handler_live", "_delivering", "_notified",
+                 "_close_pending",
                  "_data_meta", "_data_meta_more", "_feedback_meta", "_last_head", "_loop")
 
     def __init__(self, max_buf_size: int, idle_timeout_ms: int, messages_in_batch: int, handler) -> None:
@@ -152,7 +153,9 @@ class Stream:
         self._idle_handle = None
         self._last_active = 0.0
         self._closed_fut: asyncio.Future | None = None
-        self._handler_task: asyncio.Task | None = None
+        self._handler_task: asyncio.Task | None = None  # awaits an awaitable the handler returned
+        self._handler_live = False  # the handler form, connected: batches go to the handler
+        self._delivering = False  # a delivery is scheduled, or the handler's awaitable runs
         self._notified = False
         self._close_pending = False
         self._data_meta = b""
@@ -479,7 +482,7 @@ class Stream:
             self._last_active = self._loop.time()
             self._idle_handle = self._loop.call_later(self._idle_timeout_ms / 1000, self._idle_check)
         if self._handler is not None:
-            self._handler_task = self._loop.create_task(self._run_handler())
+            self._handler_live = True
         self._wake_writers()
 
     def _segment_destination(self, n: int, has_continuation: bool):
@@ -518,6 +521,11 @@ class Stream:
         if unconsumed > self._recv_cap:
             self._violation(f"the peer wrote {unconsumed} bytes not yet consumed, past its window plus one "
                             f"message ({self._recv_cap}): it does not wait for FEEDBACK")
+            return
+        if self._handler_live:
+            if not self._delivering:
+                self._delivering = True
+                self._loop.call_soon(self._deliver)  # what arrives meanwhile joins the batch
             return
         reader = self._reader
         if reader is not None and not reader.done():
@@ -592,46 +600,73 @@ class Stream:
             reader.set_result(None)
         if self._closed_fut is not None and not self._closed_fut.done():
             self._closed_fut.set_result(None)
-        if self._handler is not None and self._handler_task is None:
-            self._notify_end()  # never connected: no handler task to do it
+        if self._handler_live:
+            if not self._delivering:  # the rest of the queue, then on_failed/on_closed
+                self._delivering = True
+                self._loop.call_soon(self._deliver)
+        elif self._handler is not None:
+            self._notify_end()  # never connected: nothing was delivered
 
     # -- the handler form -------------------------------------------------------------------------
-    async def _run_handler(self) -> None:
-        handler = self._handler
+    def _deliver(self) -> None:
+        """The handler form: hand the queued messages to `on_received_messages` in batches of
+        at most `messages_in_batch`, in a loop callback (one per wake-up, not a task); once the
+        stream ended and its queue is empty, `on_failed`/`on_closed`. A handler returning an
+        awaitable is awaited in a task before the next batch."""
         queue = self._queue
         limit = self._messages_in_batch
         try:
-            while True:
-                if not queue:
-                    if self._state == _ENDED:
-                        break
-                    fut = self._reader = self._loop.create_future()
-                    try:
-                        await fut
-                    finally:
-                        self._reader = None
-                    continue
+            while queue:
                 batch = ([queue.popleft()] if len(queue) == 1 else
                          [queue.popleft() for _ in range(min(limit, len(queue)))])
-                result = handler.on_received_messages(self, batch)
+                result = self._handler.on_received_messages(self, batch)
                 if result is not None and inspect.isawaitable(result):
-                    await result
-                n = 0
-                for m in batch:
-                    n += len(m)
-                if not queue and self._peer_need_feedback:
-                    self._consume(n, False)
-                    self._send_feedback()  # all read: report it now, not a loop iteration later
-                else:
-                    self._consume(n)
+                    self._handler_task = self._loop.create_task(self._await_handler(result, batch))
+                    return  # still delivering: the task goes on
+                self._batch_done(batch)
         except asyncio.CancelledError:
-            self._end(ECANCELED, "the stream's handler was cancelled", _SEND_RST)
+            self._handler_failed(ECANCELED, "the stream's handler was cancelled")
+            return
+        except Exception as e:
+            self._handler_raised(e)
+            return
+        self._delivering = False
+        if self._state == _ENDED:
             self._notify_end()
+
+    async def _await_handler(self, result, batch: list) -> None:
+        try:
+            await result
+        except asyncio.CancelledError:
+            self._handler_task = None
+            self._handler_failed(ECANCELED, "the stream's handler was cancelled")
             raise
         except Exception as e:
-            log.error("stream %s: handler.on_received_messages raised %r; resetting the stream", self.id, e,
-                      exc_info=e)
-            self._end(EINTERNAL, f"handler.on_received_messages raised {e!r}", _SEND_RST)
+            self._handler_task = None
+            self._handler_raised(e)
+            return
+        self._handler_task = None
+        self._batch_done(batch)
+        self._deliver()
+
+    def _batch_done(self, batch: list) -> None:
+        n = 0
+        for m in batch:
+            n += len(m)
+        if not self._queue and self._peer_need_feedback:
+            self._consume(n, False)
+            self._send_feedback()  # all read: report it now, not a loop iteration later
+        else:
+            self._consume(n)
+
+    def _handler_raised(self, e: Exception) -> None:
+        log.error("stream %s: handler.on_received_messages raised %r; resetting the stream", self.id, e,
+                  exc_info=e)
+        self._handler_failed(EINTERNAL, f"handler.on_received_messages raised {e!r}")
+
+    def _handler_failed(self, code: int, text: str) -> None:
+        self._end(code, text, _SEND_RST)
+        self._delivering = False
         self._notify_end()
 
     def _notify_end(self) -> None:

@@ -234,6 +234,89 @@ async def test_a_slow_reader_holds_the_writer_back():
         await channel.close()
 
 
+class _HandlerServicer(aiobrpc.Servicer):
+    SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
+
+    def __init__(self, handler, **options) -> None:
+        self.handler = handler
+        self.options = options
+        self.streams: list = []
+
+    async def StartStream(self, request, cntl):
+        self.streams.append(aiobrpc.Stream.accept(cntl, handler=self.handler, **self.options))
+        return interop_pb2.EchoResponse(message="ok")
+
+
+async def test_a_plain_handler_runs_without_a_task_and_an_async_one_one_batch_at_a_time():
+    """A plain on_received_messages is called from a loop callback: no task exists for the
+    stream while messages flow. An async one is awaited before the next batch is handed over:
+    batches never overlap, and they keep the stream's order."""
+    order: list = []
+    running = [0]
+    overlap = []
+
+    class Plain(Recorder):
+        def on_received_messages(self, stream, messages):
+            super().on_received_messages(stream, messages)
+            order.extend(t.get_coro().__qualname__ for t in asyncio.all_tasks())
+
+    class Async(Recorder):
+        async def on_received_messages(self, stream, messages):
+            running[0] += 1
+            overlap.append(running[0])
+            await asyncio.sleep(0.001)
+            super().on_received_messages(stream, messages)
+            running[0] -= 1
+
+    for handler in (Plain(), Async()):
+        servicer = _HandlerServicer(handler, messages_in_batch=2)
+        async with running_echo(servicer=servicer) as (server, _):
+            channel = aiobrpc.Channel(server.address)
+            stub = aiobrpc.Stub(channel, servicer.SERVICE)
+            stream, _ = await open_stream(stub)
+            sent = [b"m%d" % i for i in range(40)]
+            for m in sent:
+                await stream.write(m)
+            await stream.close()
+            await asyncio.wait_for(handler.done.wait(), 5)
+            assert handler.messages == sent
+            assert max(handler.batches) <= 2
+            assert handler.closed == 1 and handler.failed == []
+            if isinstance(handler, Plain):
+                assert order and not [name for name in order if name.startswith("Stream.")]
+            await channel.close()
+    assert overlap and max(overlap) == 1
+
+
+async def test_cancelling_an_async_handler_resets_the_stream_once():
+    started = asyncio.Event()
+
+    class Stuck(Recorder):
+        async def on_received_messages(self, stream, messages):
+            started.set()
+            await asyncio.sleep(3600)
+
+    handler = Stuck()
+    servicer = _HandlerServicer(handler)
+    async with running_echo(servicer=servicer) as (server, _):
+        channel = aiobrpc.Channel(server.address)
+        stub = aiobrpc.Stub(channel, servicer.SERVICE)
+        stream, _ = await open_stream(stub)
+        await stream.write(b"x")
+        await asyncio.wait_for(started.wait(), 5)
+        (peer,) = servicer.streams
+        peer._handler_task.cancel()
+        await asyncio.wait_for(handler.done.wait(), 5)
+        assert handler.failed == [errors.ECANCELED] and handler.closed == 1
+        assert peer.closed and peer.error.code == errors.ECANCELED
+        with pytest.raises(aiobrpc.RpcError) as ei:  # the client got the RST
+            await asyncio.wait_for(stream.read(), 5)
+        assert ei.value.code == errors.ECONNRESET
+        await asyncio.sleep(0.01)
+        assert peer._handler_task is None and server.stream_count() == 0
+        await channel.close()
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
