@@ -117,7 +117,7 @@ class Stream:
                  "_idle_timeout_ms", "_messages_in_batch", "_handler", "_awaiting_response",
                  "_peer_need_feedback", "_peer_writable", "produced", "_remote_consumed", "consumed",
                  "_unconsumed", "_feedback_sent", "_recv_cap", "_segment_size", "_queue", "_reassembly", "_backlog",
-                 "_write_lock", "_waiters", "_reader", "_feedback_scheduled", "_idle_handle",
+                 "_writer_busy", "_write_turns", "_waiters", "_reader", "_feedback_scheduled", "_idle_handle",
                  "_last_active", "_closed_fut", "_handler_task", "_handler_live", "_delivering", "_notified",
                  "_close_pending",
                  "_data_meta", "_data_meta_more", "_feedback_meta", "_last_head", "_loop")
@@ -146,7 +146,8 @@ class Stream:
         self._queue: collections.deque = collections.deque()
         self._reassembly: streaming.Reassembly | None = None
         self._backlog: list = []
-        self._write_lock: asyncio.Lock | None = None
+        self._writer_busy = False  # a write() is in its slow path: later ones queue behind it
+        self._write_turns: collections.deque | None = None  # futures of writes waiting for their turn
         self._waiters: list = []
         self._reader: asyncio.Future | None = None
         self._feedback_scheduled = False
@@ -267,10 +268,8 @@ class Stream:
         is full before the stream is connected."""
         view = streaming.message_view(message)
         n = view.nbytes
-        lock = self._write_lock
-        if ((lock is None or not lock.locked()) and self._state == _CONNECTED and self._peer_writable
-                and n <= self._segment_size):
-            # The common case needs no lock and no wait: nothing below awaits, so no other
+        if not self._writer_busy and self._state == _CONNECTED and self._peer_writable and n <= self._segment_size:
+            # The common case needs no turn and no wait: nothing below awaits, so no other
             # writer can come between the window check and the write.
             window = self._max_buf_size
             conn = self._conn
@@ -281,9 +280,13 @@ class Stream:
                     head = self._last_head = (n, streaming.data_head(self._data_meta, n))
                 conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
                 return
-        if lock is None:
-            lock = self._write_lock = asyncio.Lock()
-        async with lock:
+        # Writes that wait go one at a time, in the order they were made (a FIFO of turns; the
+        # turn passes straight from one writer to the next).
+        if self._writer_busy:
+            await self._wait_turn()
+        else:
+            self._writer_busy = True
+        try:
             while True:
                 state = self._state
                 if state == _CONNECTED:
@@ -292,7 +295,13 @@ class Stream:
                     window = self._max_buf_size
                     if window <= 0 or self.produced < self._remote_consumed + window:
                         break
-                    await self._wait_event()
+                    fut = self._loop.create_future()  # woken by a FEEDBACK, or the end
+                    self._waiters.append(fut)
+                    try:
+                        await fut
+                    finally:
+                        if not fut.done():
+                            fut.cancel()
                 elif state == _PENDING:
                     window = self._max_buf_size
                     if self._close_pending:
@@ -314,6 +323,32 @@ class Stream:
                 conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
                 return
             await self._send(view, n)
+        finally:
+            self._next_writer()
+
+    async def _wait_turn(self) -> None:
+        turns = self._write_turns
+        if turns is None:
+            turns = self._write_turns = collections.deque()
+        fut = self._get_loop().create_future()
+        turns.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._next_writer()  # the turn came with the cancel: it passes on
+            else:
+                turns.remove(fut)
+            raise
+
+    def _next_writer(self) -> None:
+        turns = self._write_turns
+        while turns:
+            fut = turns.popleft()
+            if not fut.done():
+                fut.set_result(None)  # still busy: the turn is that writer's now
+                return
+        self._writer_busy = False
 
     async def _send(self, view: memoryview, n: int) -> None:
         conn = self._conn
@@ -354,15 +389,6 @@ class Stream:
         if self.error is not None:
             return RpcError(self.error.code, self.error.text)
         return RpcError(ECONNRESET, f"stream {self.id} is closed")
-
-    async def _wait_event(self) -> None:
-        fut = self._get_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        finally:
-            if not fut.done():
-                fut.cancel()
 
     def _wake_writers(self) -> None:
         waiters, self._waiters = self._waiters, []

@@ -6,6 +6,10 @@ share it, as do the baselines):
 * raw: an asyncio socket pair, the writer sending the same buffers with backpressure (paused by
   the transport, resumed at its low-water mark) and the reader a BufferedProtocol that counts
   what the kernel put in its buffer: the ceiling for moving bytes on this loop;
+* raw, windowed: the same socket pair with the stream's flow control and nothing else: the
+  writer keeps at most `--max-buf-size` bytes unacknowledged and the reader sends back an
+  8-byte count per message it received (what a FEEDBACK carries): the ceiling for any
+  protocol with that window on this loop, without framing, meta or dispatch;
 * stream: one aiobrpc stream (default window, `max_buf_size` 2 MiB), the reader a handler that
   counts each batch (so FEEDBACK flows as in real use);
 * unary: Echo calls carrying the message as the request attachment, 4 in flight, with an
@@ -78,6 +82,70 @@ async def raw(size: int, seconds: float) -> float:
             if proto.paused:
                 proto.resumed = loop.create_future()
                 await proto.resumed
+    rate = await _measure(pump, counter, seconds)
+    transport.close()
+    server.close()
+    await server.wait_closed()
+    return rate
+
+
+class _AckingSink(asyncio.BufferedProtocol):
+    """Counts what arrives and acknowledges each complete message with its byte count."""
+
+    def __init__(self, counter: list, size: int) -> None:
+        self.buf = memoryview(bytearray(1 << 20))
+        self.counter = counter
+        self.size = size
+        self.got = 0
+        self.transport = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint):
+        return self.buf
+
+    def buffer_updated(self, nbytes):
+        self.counter[0] += nbytes
+        before = self.got // self.size
+        self.got += nbytes
+        if self.got // self.size != before:
+            self.transport.write(self.got.to_bytes(8, "little"))
+
+
+class _WindowedSource(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.acked = 0
+        self.waiter: asyncio.Future | None = None
+        self.pending = b""
+
+    def data_received(self, data):
+        data = self.pending + data
+        whole = len(data) - len(data) % 8
+        if whole:
+            self.acked = int.from_bytes(data[whole - 8:whole], "little")
+        self.pending = data[whole:]
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+async def raw_windowed(size: int, seconds: float, window: int) -> float:
+    loop = asyncio.get_running_loop()
+    counter = [0]
+    server = await loop.create_server(lambda: _AckingSink(counter, size), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport, proto = await loop.create_connection(_WindowedSource, "127.0.0.1", port)
+    message = bytes(size)
+    sent = 0
+
+    async def pump(until: float) -> None:
+        nonlocal sent
+        while loop.time() < until:
+            while sent - proto.acked >= window:  # as a stream: past the window by one message at most
+                proto.waiter = loop.create_future()
+                await proto.waiter
+            transport.write(message)
+            sent += size
     rate = await _measure(pump, counter, seconds)
     transport.close()
     server.close()
@@ -179,16 +247,18 @@ async def run(seconds: float, max_buf_size: int, rounds: int, sizes: list | None
     figures share the machine's state of that moment)."""
     rows = []
     for name, size in sizes or SIZES:
-        rates: list[tuple[float, float, float]] = []
+        rates: list[tuple[float, float, float, float]] = []
         for _ in range(rounds):
             r = await raw(size, seconds)
+            w = await raw_windowed(size, seconds, max_buf_size if max_buf_size > 0 else 1 << 62)
             s = await stream(size, seconds, max_buf_size)
             u = await unary(size, seconds)
-            rates.append((r, s, u))
+            rates.append((r, w, s, u))
         rows.append((name, *(statistics.median(col) for col in zip(*rates)),
-                     statistics.median(s / r for r, s, _ in rates),
-                     statistics.median(u / r for r, _, u in rates),
-                     min(s / r for r, s, _ in rates), max(s / r for r, s, _ in rates)))
+                     statistics.median(w / r for r, w, _, _ in rates),
+                     statistics.median(s / r for r, _, s, _ in rates),
+                     statistics.median(u / r for r, _, _, u in rates),
+                     min(s / r for r, _, s, _ in rates), max(s / r for r, _, s, _ in rates)))
     return rows
 
 
@@ -215,11 +285,12 @@ def main(argv=None) -> None:
         rows = asyncio.run(run(args.seconds, args.max_buf_size, args.rounds, sizes))
     print(f"loop={args.loop} implementation={aiobrpc.implementation()} seconds={args.seconds} "
           f"rounds={args.rounds} max_buf_size={args.max_buf_size} clock={args.clock}")
-    print("| message | raw socket MB/s | stream MB/s | unary (attachment) MB/s | stream / raw "
-          "| (min..max) | unary / raw |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, r, s, u, sr, ur, lo, hi in rows:
-        print(f"| {name} | {r:.0f} | {s:.0f} | {u:.0f} | {sr:.2f} | {lo:.2f}..{hi:.2f} | {ur:.2f} |")
+    print("| message | raw socket MB/s | raw, windowed MB/s | stream MB/s | unary (attachment) MB/s "
+          "| windowed / raw | stream / raw | (min..max) | unary / raw |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r, w, s, u, wr, sr, ur, lo, hi in rows:
+        print(f"| {name} | {r:.0f} | {w:.0f} | {s:.0f} | {u:.0f} | {wr:.2f} | {sr:.2f} | {lo:.2f}..{hi:.2f} "
+              f"| {ur:.2f} |")
 
 
 if __name__ == "__main__":

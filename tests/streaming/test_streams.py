@@ -536,6 +536,41 @@ async def test_a_cancelled_reader_and_writer_leave_the_stream_usable(echo_pair):
     assert stream.closed
 
 
+async def test_writers_waiting_for_the_window_write_in_their_order_and_cancels_pass_the_turn():
+    servicer = AcceptingServicer()
+    async with running_echo(servicer=servicer) as (server, _):
+        channel = aiobrpc.Channel(server.address)
+        stub = aiobrpc.Stub(channel, AcceptingServicer.SERVICE)
+        stream, _ = await open_stream(stub, max_buf_size=1000)
+        (peer,) = servicer.accepted
+        await stream.write(bytes(1200))  # the window is full now
+        writers = {i: asyncio.ensure_future(stream.write(bytes([i]) * 100)) for i in range(1, 6)}
+        await asyncio.sleep(0.01)
+        assert not any(w.done() for w in writers.values())
+        writers[2].cancel()  # waiting for its turn: it leaves the queue
+        await asyncio.gather(writers[2], return_exceptions=True)
+        got = [len(await asyncio.wait_for(peer.read(), 2))]  # the FEEDBACK opens the window
+        for _ in range(4):
+            got.append(bytes(await asyncio.wait_for(peer.read(), 2))[:1])
+        assert got == [1200, b"\x01", b"\x03", b"\x04", b"\x05"]
+        await asyncio.gather(*(writers[i] for i in (1, 3, 4, 5)))
+        assert not stream._writer_busy
+
+        # A writer handed the turn and cancelled before it ran passes the turn on.
+        stream._writer_busy = True  # as if a write were waiting for the window
+        second = asyncio.ensure_future(stream.write(b"second"))
+        third = asyncio.ensure_future(stream.write(b"third"))
+        await asyncio.sleep(0)
+        stream._next_writer()  # the turn goes to `second`...
+        second.cancel()  # ...which is cancelled before it runs
+        await asyncio.wait_for(third, 2)
+        assert second.cancelled()
+        assert bytes(await asyncio.wait_for(peer.read(), 2)) == b"third"
+        assert not stream._writer_busy and not stream._write_turns
+        await stream.close()
+        await channel.close()
+
+
 async def test_a_late_wrapped_response_resets_every_stream_it_offers(echo_pair):
     server, servicer, channel, stub = echo_pair
     cntl = aiobrpc.Controller(timeout_ms=50)
