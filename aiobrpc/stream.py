@@ -275,10 +275,7 @@ class Stream:
             conn = self._conn
             if (window <= 0 or self.produced < self._remote_consumed + window) and conn.writable(n):
                 self.produced += n
-                head = self._last_head
-                if head[0] != n:  # messages of one size share their DATA head
-                    head = self._last_head = (n, streaming.data_head(self._data_meta, n))
-                conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
+                self._write_whole(conn, view, n)
                 return
         # Writes that wait go one at a time, in the order they were made (a FIFO of turns; the
         # turn passes straight from one writer to the next).
@@ -317,14 +314,18 @@ class Stream:
             self.produced += n
             conn = self._conn
             if n <= self._segment_size and conn.writable(n):  # the usual wake-up: no coroutine more
-                head = self._last_head
-                if head[0] != n:
-                    head = self._last_head = (n, streaming.data_head(self._data_meta, n))
-                conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
+                self._write_whole(conn, view, n)
                 return
             await self._send(view, n)
         finally:
             self._next_writer()
+
+    def _write_whole(self, conn, view: memoryview, n: int) -> None:
+        """One DATA frame carrying the whole message (n <= the segment size)."""
+        head = self._last_head
+        if head[0] != n:  # messages of one size share their DATA head
+            head = self._last_head = (n, streaming.data_head(self._data_meta, n))
+        conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
 
     async def _wait_turn(self) -> None:
         turns = self._write_turns
@@ -356,10 +357,7 @@ class Stream:
         if n <= seg:
             if not conn.writable(n):
                 await self._wait_conn(conn)
-            head = self._last_head
-            if head[0] != n:
-                head = self._last_head = (n, streaming.data_head(self._data_meta, n))
-            conn.write([head[1], view] if n else [head[1]], n + len(head[1]), now=n >= _FLUSH_NOW_BYTES)
+            self._write_whole(conn, view, n)
             return
         frames = streaming.segments(view, n, self._data_meta, self._data_meta_more, seg)
         sent = 0
@@ -549,9 +547,7 @@ class Stream:
                             f"message ({self._recv_cap}): it does not wait for FEEDBACK")
             return
         if self._handler_live:
-            if not self._delivering:
-                self._delivering = True
-                self._loop.call_soon(self._deliver)  # what arrives meanwhile joins the batch
+            self._schedule_delivery()
             return
         reader = self._reader
         if reader is not None and not reader.done():
@@ -627,13 +623,16 @@ class Stream:
         if self._closed_fut is not None and not self._closed_fut.done():
             self._closed_fut.set_result(None)
         if self._handler_live:
-            if not self._delivering:  # the rest of the queue, then on_failed/on_closed
-                self._delivering = True
-                self._loop.call_soon(self._deliver)
+            self._schedule_delivery()  # the rest of the queue, then on_failed/on_closed
         elif self._handler is not None:
             self._notify_end()  # never connected: nothing was delivered
 
     # -- the handler form -------------------------------------------------------------------------
+    def _schedule_delivery(self) -> None:
+        if not self._delivering:
+            self._delivering = True
+            self._loop.call_soon(self._deliver)  # what arrives meanwhile joins the batch
+
     def _deliver(self) -> None:
         """The handler form: hand the queued messages to `on_received_messages` in batches of
         at most `messages_in_batch`, in a loop callback (one per wake-up, not a task); once the

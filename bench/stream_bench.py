@@ -165,21 +165,17 @@ async def raw(size: int, seconds: float, readers) -> float:
     return rate
 
 
-class _AckingSink(asyncio.BufferedProtocol):
-    """Counts what arrives and acknowledges each complete message with its byte count."""
+class _AckingSink(_Sink):
+    """A _Sink that acknowledges each read completing a message with the bytes received so far."""
 
     def __init__(self, counter: list, size: int) -> None:
-        self.buf = memoryview(bytearray(1 << 20))
-        self.counter = counter
+        super().__init__(counter)
         self.size = size
         self.got = 0
         self.transport = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-
-    def get_buffer(self, sizehint):
-        return self.buf
 
     def buffer_updated(self, nbytes):
         self.counter[0] += nbytes

@@ -158,7 +158,7 @@ def parse_request(entry: MethodEntry, ev, max_decompressed_size: int):
         if request is not None and request.IsInitialized():
             return request
     try:
-        data = baidu_std.decode_data(meta, ev.data, ev.attachment, max_decompressed_size)
+        data = baidu_std.decode_data(meta, data, ev.attachment, max_decompressed_size)
         return content.parse(entry.request_class, data, meta.content_type or 0)
     except RemoteProtocolError as e:
         raise RpcError(EREQUEST, (
