@@ -1,8 +1,11 @@
 """Only the Cython extensions; everything else is in pyproject.toml.
 
-Set AIOBRPC_NO_EXTENSIONS=1 to install without compiling (the pure-Python twins are used).
+The kernels of aiobrpc/_fast are .pyx files; the modules of the call path listed in
+aiobrpc/_compiled.py are .py files that Cython compiles in place (pure-Python mode). Set
+AIOBRPC_NO_EXTENSIONS=1 to install without compiling (everything then runs as Python).
 """
 
+import ast
 import os
 
 from setuptools import setup
@@ -25,12 +28,25 @@ class BuildExtOrExplain(build_ext):
             raise SystemExit(NO_COMPILER_HINT.format(name=ext.name, error=e)) from e
 
 
+
+def compiled_in_place() -> list[str]:
+    """The .py files of aiobrpc._compiled.MODULES (read, not imported: the package's
+    dependencies need not be installed while it builds)."""
+    with open("aiobrpc/_compiled.py") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["MODULES"]:
+            return [name.replace(".", "/") + ".py" for name in ast.literal_eval(node.value)]
+    raise SystemExit("aiobrpc/_compiled.py has no MODULES")
+
+
 ext_modules = []
-if not os.environ.get("AIOBRPC_NO_EXTENSIONS"):
+if os.environ.get("AIOBRPC_NO_EXTENSIONS", "") in ("", "0"):
     from Cython.Build import cythonize
 
     ext_modules = cythonize(
-        ["aiobrpc/_fast/iobuf.pyx", "aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.pyx"],
+        ["aiobrpc/_fast/iobuf.pyx", "aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.pyx",
+         *compiled_in_place()],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False,
                              "cdivision": True, "embedsignature": True},
     )

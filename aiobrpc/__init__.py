@@ -7,6 +7,10 @@
 
 from __future__ import annotations
 
+from . import _compiled
+
+_compiled.install()  # first: AIOBRPC_NO_EXTENSIONS=1 must load the pure sources
+
 from . import errors
 from .client.backup import BackupRequestPolicy, LatencyQuantileBackupPolicy, RateLimitedBackupPolicy
 from .client.channel import Channel

@@ -1,30 +1,91 @@
-"""Every test runs against both twins of aiobrpc._fast (compiled and pure), selected here."""
+"""Every test runs against both twins of aiobrpc (compiled and pure) and on both loops.
+
+This process runs the suite on the twin it imported: the compiled one where it is built. The
+pure twin (every module as Python: the _py twins of the _fast kernels and the sources of the
+modules compiled in place, aiobrpc/_compiled.py) cannot be swapped into the same process, so
+a second pytest process started with AIOBRPC_NO_EXTENSIONS=1 runs the same selection beside
+this one; its output is printed at the end and its outcome is part of the exit status.
+`--twins this` runs only this process's twin.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
 from aiobrpc import _fast
+from tests.helpers.twins import PURE_RUN_ENV, pure_run_of_parent
 
-TWINS = _fast.available()
+_PURE_RUN = pytest.StashKey[tuple]()
 
-# The twin fixture selects an implementation for the whole test; it needs no reset per example.
+# The compiled and pure kernels side by side: the parent process runs these.
+collect_ignore = ["fast/test_twins_differential.py"] if pure_run_of_parent() else []
+
 settings.register_profile("aiobrpc", suppress_health_check=[HealthCheck.function_scoped_fixture],
                           deadline=None)
 settings.load_profile("aiobrpc")
 
 
-@pytest.fixture(params=TWINS, autouse=True)
+@pytest.fixture(params=[_fast.IMPLEMENTATION], autouse=True)
 def twin(request):
-    """The implementation under test: "cython" or "python"."""
+    """The twin under test in this process: "cython" or "python"."""
     before = _fast.IMPLEMENTATION
     _fast.use(request.param)
     yield request.param
     _fast.use(before)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--twins", choices=("both", "this"), default="both",
+                     help="both (default): where the compiled twin is built, also run the selected "
+                          "tests on the pure twin in a second process; this: only this process's twin")
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    if (config.getoption("twins") != "both" or _fast.IMPLEMENTATION != "cython"
+            or config.option.collectonly or pure_run_of_parent()):
+        return
+    args = list(config.invocation_params.args) + ["--twins", "this"]
+    if "no:cacheprovider" not in args:
+        args += ["-p", "no:cacheprovider"]  # the parent's cache is the one kept
+    env = {**os.environ, "AIOBRPC_NO_EXTENSIONS": "1", PURE_RUN_ENV: "1"}
+    out = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=config.invocation_params.dir,
+                            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    config.stash[_PURE_RUN] = (proc, out)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    run = session.config.stash.get(_PURE_RUN, None)
+    if run is None:
+        return
+    proc, out = run
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        proc.kill()
+    rc = proc.wait()
+    out.seek(0)
+    session.config.stash[_PURE_RUN] = (rc, out.read().decode(errors="replace"))
+    out.close()
+    if rc != 0 and session.exitstatus in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = rc
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    run = config.stash.get(_PURE_RUN, None)
+    if run is None or not isinstance(run[0], int):
+        return
+    rc, output = run
+    terminalreporter.write_sep("=", f"pure-Python twin (AIOBRPC_NO_EXTENSIONS=1, second process): exit {rc}")
+    terminalreporter.write(output)
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -8,9 +8,9 @@ the test suite runs everything against both twins. Type checkers see the pure tw
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
+from .._compiled import pure_requested
 from . import framing_py, iobuf_py, meta_py
 
 _EXPORTS = {
@@ -37,7 +37,7 @@ def _compiled():
 
 
 _PURE = {"framing": framing_py, "iobuf": iobuf_py, "meta": meta_py}
-_COMPILED = None if os.environ.get("AIOBRPC_NO_EXTENSIONS") else _compiled()
+_COMPILED = None if pure_requested() else _compiled()
 
 IMPLEMENTATION = "python"
 

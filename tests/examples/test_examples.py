@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aiobrpc import _fast
+from tests.helpers.twins import pure_run_of_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -151,9 +151,9 @@ def test_ps_train_two_workers_two_shards(env):
 def test_train_three_ways_quick(env, twin, tmp_path):
     pytest.importorskip("torch", reason="torch (the 'train' extra) is installed for Python 3.11 only")
     pytest.importorskip("matplotlib", reason="matplotlib (the 'train' extra) draws the loss curves")
-    if twin != "cython" and "cython" in _fast.available():
-        pytest.skip("runs once, with the compiled twin: torch's start-up costs seconds, and the twins are "
-                    "covered by tests/training")
+    if pure_run_of_parent():
+        pytest.skip("runs once, with the compiled twin in the parent process: torch's start-up costs "
+                    "seconds, and the twins are covered by tests/training")
     plot = tmp_path / "curves.png"
     r = run("train_three_ways.py", "--quick", "--plot", str(plot), env=env)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -13,14 +13,15 @@ import sys
 
 import pytest
 
+from tests.helpers.twins import pure_run_of_parent
 from tests.training.procs import SCRIPTS, child_env
 
 torch = pytest.importorskip("torch", reason="torch (the 'train' extra) is installed for Python 3.11 only")
 
 
 def test_torchrun_world_of_three_over_aiobrpc(twin):
-    if twin != "cython" and "cython" in __import__("aiobrpc")._fast.available():
-        pytest.skip("runs once, with the compiled twin (see the module docstring)")
+    if pure_run_of_parent():
+        pytest.skip("runs once, with the compiled twin, in the parent process (see the module docstring)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            str(SCRIPTS / "torch_world.py")]
     run = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)

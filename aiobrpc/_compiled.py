@@ -1,0 +1,68 @@
+"""Modules of the call path that Cython compiles in place, from their own .py source.
+
+Each module listed in MODULES is plain Python written for Cython's pure-Python mode (`import
+cython` where it declares types; the `cython` name comes from `_cython_shim` where Cython is
+not installed). setup.py compiles it to an extension module beside its source, e.g.
+`aiobrpc/server/inline.cpython-311-x86_64-linux-gnu.so` next to `inline.py`. Python's import
+system prefers an extension module to a source file of the same name, so the compiled module
+shadows its source and every layer imports it by the same name as before: the layers stay
+where they are.
+
+The same source also runs as plain Python, the pure twin: where no extension was built, and in
+a process started with AIOBRPC_NO_EXTENSIONS=1, where `install()` (run by `aiobrpc/__init__.py`
+before any other aiobrpc module is imported) puts a finder first on `sys.meta_path` that loads
+these modules from their .py files even where the extension exists. The choice is made once per
+process: a class compiled in one module and pure in another would not mix, so the test suite
+runs the pure twin in a second process (tests/conftest.py). The kernels of `aiobrpc._fast` are
+selected at run time as before (`_fast.use`).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+
+# Dotted names; setup.py compiles exactly these.
+MODULES = (
+    "aiobrpc.server.inline",
+    "aiobrpc.protocol.baidu_std",
+)
+
+ENV = "AIOBRPC_NO_EXTENSIONS"
+
+
+def pure_requested() -> bool:
+    """AIOBRPC_NO_EXTENSIONS is set (to anything but "" or "0"): run every module as Python."""
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+class PureSourceFinder:
+    """Finds the modules of MODULES as their .py source, never as an extension module."""
+
+    _loader = (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES)
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name not in MODULES or not path:
+            return None
+        for entry in path:
+            spec = importlib.machinery.FileFinder(entry, cls._loader).find_spec(name, target)
+            if spec is not None:
+                return spec
+        return None
+
+
+def install() -> None:
+    """Put PureSourceFinder first on sys.meta_path when AIOBRPC_NO_EXTENSIONS asks for it."""
+    if pure_requested() and PureSourceFinder not in sys.meta_path:
+        sys.meta_path.insert(0, PureSourceFinder)
+
+
+def compiled() -> dict[str, bool]:
+    """For each module of MODULES (imported here if it was not yet): is it the extension?"""
+    out = {}
+    for name in MODULES:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        out[name] = isinstance(getattr(module, "__loader__", None), importlib.machinery.ExtensionFileLoader)
+    return out
