@@ -1,12 +1,13 @@
 """Modules of the call path that Cython compiles in place, from their own .py source.
 
-Each module listed in MODULES is plain Python written for Cython's pure-Python mode (`import
-cython` where it declares types; the `cython` name comes from `_cython_shim` where Cython is
-not installed). setup.py compiles it to an extension module beside its source, e.g.
+setup.py compiles each module listed in MODULES to an extension module beside its source, e.g.
 `aiobrpc/server/inline.cpython-311-x86_64-linux-gnu.so` next to `inline.py`. Python's import
 system prefers an extension module to a source file of the same name, so the compiled module
 shadows its source and every layer imports it by the same name as before: the layers stay
-where they are.
+where they are. A module is listed only where compiling it measurably lowers the work per call
+(docs/benchmarks.md, "Issue 17, third slice"): Cython's generic attribute access is slower
+than 3.11's specialized one, so code that is mostly attribute access on Python objects gets
+slower compiled unless its objects are typed (Cython's pure-Python mode, `@cython.cclass`).
 
 The same source also runs as plain Python, the pure twin: where no extension was built, and in
 a process started with AIOBRPC_NO_EXTENSIONS=1, where `install()` (run by `aiobrpc/__init__.py`

@@ -25,8 +25,8 @@ from tests.helpers.twins import PURE_RUN_ENV, pure_run_of_parent
 
 _PURE_RUN = pytest.StashKey[tuple]()
 
-# The compiled and pure kernels side by side: the parent process runs these.
-collect_ignore = ["fast/test_twins_differential.py"] if pure_run_of_parent() else []
+# The compiled and pure kernels side by side, and the split into two processes: the parent runs these.
+collect_ignore = ["fast/test_twins_differential.py", "test_twin_processes.py"] if pure_run_of_parent() else []
 
 settings.register_profile("aiobrpc", suppress_health_check=[HealthCheck.function_scoped_fixture],
                           deadline=None)

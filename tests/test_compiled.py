@@ -1,0 +1,50 @@
+"""Modules compiled in place from their .py source (aiobrpc/_compiled.py): one twin per process."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiobrpc
+from aiobrpc import _compiled, _fast
+
+
+def test_this_process_runs_one_twin_throughout():
+    compiled = _compiled.compiled()
+    assert set(compiled) == set(_compiled.MODULES)
+    if _fast.available() == ["python"]:  # AIOBRPC_NO_EXTENSIONS=1, or nothing built
+        assert not any(compiled.values())
+        assert aiobrpc.implementation() == "python"
+    else:  # the extensions are built together: the kernels and every module compiled in place
+        assert all(compiled.values()), compiled
+
+
+def _run(code: str, **env) -> str:
+    full = {k: v for k, v in os.environ.items() if k != "AIOBRPC_NO_EXTENSIONS"}
+    r = subprocess.run([sys.executable, "-c", code], env={**full, **env}, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_no_extensions_loads_every_module_from_its_source():
+    code = ("import aiobrpc, aiobrpc._compiled as c, sys\n"
+            "print(aiobrpc.implementation(), sorted(set(c.compiled().values())),"
+            " all(sys.modules[m].__file__.endswith('.py') for m in c.MODULES))")
+    assert _run(code, AIOBRPC_NO_EXTENSIONS="1") == "python [False] True"
+    built = importlib.util.find_spec("aiobrpc._fast.meta").origin.endswith(".py") is False
+    assert _run(code, AIOBRPC_NO_EXTENSIONS="0") == ("cython [True] False" if built else "python [False] True")
+
+
+def test_the_source_finder_takes_only_listed_modules():
+    finder = _compiled.PureSourceFinder
+    path = [str(Path(aiobrpc.__file__).parent / "server")]
+    spec = finder.find_spec("aiobrpc.server.inline", path)
+    assert isinstance(spec.loader, importlib.machinery.SourceFileLoader)
+    assert spec.origin.endswith("inline.py")
+    assert finder.find_spec("aiobrpc.server.server", path) is None
+    assert finder.find_spec("aiobrpc.server.inline", None) is None

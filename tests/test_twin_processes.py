@@ -1,0 +1,45 @@
+"""The suite's two processes (tests/conftest.py): this one runs the compiled twin where it is
+built, a second one started with AIOBRPC_NO_EXTENSIONS=1 the pure twin, and a failure in either
+fails the run. Collected by the parent process only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aiobrpc import _fast
+from tests.helpers.twins import pure_run_of_parent
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if pure_run_of_parent():  # named on the command line: the conftest's collect_ignore does not apply
+    pytestmark = pytest.mark.skip(reason="the parent process, which started this one, runs these")
+else:
+    pytestmark = pytest.mark.skipif("cython" not in _fast.available(),
+                                    reason="the compiled twin is not built here: the suite runs in one process")
+
+
+def _pytest(fail: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("AIOBRPC_NO_EXTENSIONS", "PYTEST_ADDOPTS")}
+    env["AIOBRPC_PROBE_FAIL"] = fail
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                           "tests/helpers/twin_probe.py"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_suite_runs_the_pure_twin_in_a_second_process():
+    r = _pytest("")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "probe ran: compiled [True]" in r.stdout and "probe ran: pure [False]" in r.stdout
+    assert "pure-Python twin (AIOBRPC_NO_EXTENSIONS=1, second process): exit 0" in r.stdout
+
+
+@pytest.mark.parametrize("fail", ["compiled", "pure"])
+def test_a_failure_in_either_twin_fails_the_run(fail):
+    r = _pytest(fail)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.count("1 failed") == 1 and r.stdout.count("1 passed") == 1, r.stdout
