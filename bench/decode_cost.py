@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobrpc import _fast  # noqa: E402
+import pure  # noqa: E402  (bench/pure.py)
 from aiobrpc.protocol import baidu_std  # noqa: E402
 
 BATCH = 32
@@ -46,6 +47,8 @@ def main(argv=None) -> None:
     p.add_argument("--attachment", type=int, default=16, help="bytes of attachment per request")
     p.add_argument("--rounds", type=int, default=2000, help="reads of 32 requests")
     args = p.parse_args(argv)
+    if args.twin == "python" and pure.needs_own_process():
+        raise SystemExit(pure.rerun(sys.argv[1:] if argv is None else argv))
     _fast.use(args.twin)
     chunk = read_of_requests(args.attachment)
     decoder = baidu_std.Decoder(baidu_std.SERVER)

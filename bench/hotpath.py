@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import uvloop  # noqa: E402
 
 from aiobrpc import _fast  # noqa: E402
+import pure  # noqa: E402  (bench/pure.py)
 
 
 class FakeTransport(asyncio.Transport):
@@ -251,6 +252,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     sides = ["server", "client"] if args.side == "both" else [args.side]
     if args.profile:
+        if args.twins.split(",")[0] == "python" and pure.needs_own_process():
+            raise SystemExit(pure.rerun([*(sys.argv[1:] if argv is None else argv), "--twins", "python"]))
         _fast.use(args.twins.split(",")[0])
         args.repeat = 1
         for side in sides:
@@ -261,6 +264,9 @@ def main(argv=None) -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
     for twin in args.twins.split(","):
+        if twin == "python" and pure.needs_own_process():
+            pure.rerun([*(sys.argv[1:] if argv is None else argv), "--twins", "python"])
+            continue
         _fast.use(twin)
         for side in sides:
             us = run(side, args)

@@ -415,6 +415,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.CRITICAL)
     if a.pure:
+        import pure  # bench/pure.py
+        if pure.needs_own_process():
+            raise SystemExit(pure.rerun(sys.argv[1:] if argv is None else argv))
         from aiobrpc import _fast
         _fast.use("python")
     cfg = SoakConfig(calls=a.calls, seconds=a.seconds, concurrency=a.concurrency, timeout_ms=a.timeout_ms,
