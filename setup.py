@@ -28,7 +28,6 @@ class BuildExtOrExplain(build_ext):
             raise SystemExit(NO_COMPILER_HINT.format(name=ext.name, error=e)) from e
 
 
-
 def compiled_in_place() -> list[str]:
     """The .py files of aiobrpc._compiled.MODULES (read, not imported: the package's
     dependencies need not be installed while it builds)."""
@@ -44,11 +43,18 @@ ext_modules = []
 if os.environ.get("AIOBRPC_NO_EXTENSIONS", "") in ("", "0"):
     from Cython.Build import cythonize
 
+    # The kernels index raw buffers: C semantics where they say so.
     ext_modules = cythonize(
-        ["aiobrpc/_fast/iobuf.pyx", "aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.pyx",
-         *compiled_in_place()],
+        ["aiobrpc/_fast/iobuf.pyx", "aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.pyx"],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False,
                              "cdivision": True, "embedsignature": True},
+    )
+    # The modules compiled in place must mean what they mean as Python (negative indexes,
+    # floor division); their types come from the .pxd beside them, not from annotations,
+    # which are documentation there.
+    ext_modules += cythonize(
+        compiled_in_place(),
+        compiler_directives={"language_level": "3", "annotation_typing": False},
     )
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtOrExplain})

@@ -4,10 +4,12 @@ setup.py compiles each module listed in MODULES to an extension module beside it
 `aiobrpc/server/inline.cpython-311-x86_64-linux-gnu.so` next to `inline.py`. Python's import
 system prefers an extension module to a source file of the same name, so the compiled module
 shadows its source and every layer imports it by the same name as before: the layers stay
-where they are. A module is listed only where compiling it measurably lowers the work per call
-(docs/benchmarks.md, "Issue 17, third slice"): Cython's generic attribute access is slower
-than 3.11's specialized one, so code that is mostly attribute access on Python objects gets
-slower compiled unless its objects are typed (Cython's pure-Python mode, `@cython.cclass`).
+where they are. A module may have an augmenting `.pxd` beside it (Cython's pure-Python mode:
+the `.py` stays plain Python): there its classes become extension types whose fields compiled
+code reads as C struct members, and its methods call each other in C. A module is listed only
+where compiling it measurably lowers the work per call (docs/benchmarks.md, "Issue 17, third
+slice"): Cython's generic attribute access is slower than 3.11's specialized one, so code that
+is mostly attribute access on untyped Python objects gets slower compiled.
 
 The same source also runs as plain Python, the pure twin: where no extension was built, and in
 a process started with AIOBRPC_NO_EXTENSIONS=1, where `install()` (run by `aiobrpc/__init__.py`
@@ -28,6 +30,7 @@ import sys
 MODULES = (
     "aiobrpc.server.inline",
     "aiobrpc.protocol.baidu_std",
+    "aiobrpc.client.call",
 )
 
 ENV = "AIOBRPC_NO_EXTENSIONS"

@@ -254,7 +254,7 @@ class Call:
         meta.content_type = cntl.request_content_type
         streams = self.streams
         if streams is not None:
-            if any(st._conn is not None or st.closed for st in streams):
+            if _offered_before(streams):
                 self._ended(att, None, RpcError(EREQUEST, "a stream can be offered by one call only"))
                 return
             first = streams[0]
@@ -606,6 +606,13 @@ class Call:
         for n, (code, text) in enumerate(errors[1:], 1):
             parts.append(f" [R{n}][E{code}]{text}")
         return "".join(parts)
+
+
+def _offered_before(streams) -> bool:
+    for st in streams:
+        if st._conn is not None or st.closed:
+            return True
+    return False
 
 
 def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size: int):
