@@ -33,7 +33,11 @@ __version__ = "0.1.0"
 
 def implementation() -> str:
     """Which implementation of the hot path is active: "cython" (the compiled extensions) or
-    "python" (their pure twins: extensions not built, or AIOBRPC_NO_EXTENSIONS=1 set)."""
+    "python" (their pure twins: extensions not built, or AIOBRPC_NO_EXTENSIONS=1 set).
+
+    It names the twin of the `aiobrpc._fast` kernels; the modules compiled in place
+    (`aiobrpc._compiled.compiled()` lists them) are compiled in the same processes, except
+    after a run-time `_fast.use("python")`, which switches the kernels only."""
     from . import _fast
     return _fast.IMPLEMENTATION
 

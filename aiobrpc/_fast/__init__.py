@@ -2,8 +2,10 @@
 
 The compiled modules (framing, iobuf, meta) are used unless they are missing or the
 environment sets AIOBRPC_NO_EXTENSIONS=1. Other layers look names up on this module at call
-time (`_fast.FrameReader(...)`), so `use("python")` switches the whole library, which is how
-the test suite runs everything against both twins. Type checkers see the pure twins.
+time (`_fast.FrameReader(...)`), so `use("python")` switches every layer's kernels at once (the
+benches compare the twins so). The modules compiled in place (aiobrpc/_compiled.py) are chosen
+once per process instead: the pure twin of the whole library is a process started with
+AIOBRPC_NO_EXTENSIONS=1, as the test suite runs it. Type checkers see the pure twins.
 """
 
 from __future__ import annotations
