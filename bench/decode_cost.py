@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobrpc import _fast  # noqa: E402
 import pure  # noqa: E402  (bench/pure.py)
+from aiobrpc import _fast  # noqa: E402
 from aiobrpc.protocol import baidu_std  # noqa: E402
 
 BATCH = 32

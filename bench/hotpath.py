@@ -251,9 +251,10 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="cProfile one run (first twin)")
     args = p.parse_args(argv)
     sides = ["server", "client"] if args.side == "both" else [args.side]
+    pure_args = [*(sys.argv[1:] if argv is None else argv), "--twins", "python"]
     if args.profile:
         if args.twins.split(",")[0] == "python" and pure.needs_own_process():
-            raise SystemExit(pure.rerun([*(sys.argv[1:] if argv is None else argv), "--twins", "python"]))
+            raise SystemExit(pure.rerun(pure_args))
         _fast.use(args.twins.split(",")[0])
         args.repeat = 1
         for side in sides:
@@ -265,7 +266,7 @@ def main(argv=None) -> None:
         return
     for twin in args.twins.split(","):
         if twin == "python" and pure.needs_own_process():
-            pure.rerun([*(sys.argv[1:] if argv is None else argv), "--twins", "python"])
+            pure.rerun(pure_args)
             continue
         _fast.use(twin)
         for side in sides:

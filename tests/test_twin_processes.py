@@ -1,6 +1,6 @@
 """The suite's two processes (tests/conftest.py): this one runs the compiled twin where it is
 built, a second one started with AIOBRPC_NO_EXTENSIONS=1 the pure twin, and a failure in either
-fails the run. Collected by the parent process only."""
+fails the run. Run by the parent process only (the conftest deselects them in the child)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ from pathlib import Path
 import pytest
 
 from aiobrpc import _fast
-from tests.helpers.twins import pure_run_of_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 
-if pure_run_of_parent():  # named on the command line: the conftest's collect_ignore does not apply
-    pytestmark = pytest.mark.skip(reason="the parent process, which started this one, runs these")
-else:
-    pytestmark = pytest.mark.skipif("cython" not in _fast.available(),
-                                    reason="the compiled twin is not built here: the suite runs in one process")
+pytestmark = pytest.mark.skipif("cython" not in _fast.available(),
+                                reason="the compiled twin is not built here: the suite runs in one process")
 
 
 def _pytest(fail: str) -> subprocess.CompletedProcess:
