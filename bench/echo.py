@@ -24,6 +24,10 @@ Implementations:
      one writelines per loop turn, large bodies into their own buffer; echoes inline
   e  raw ceiling whose server runs an async handler in a Task per request (as aiobrpc does);
      not in the default set, ask for it with --only
+  f  protocol floor (bench/protocol_floor.py): the raw ceiling's transport carrying real
+     baidu_std frames, RpcMeta by aiobrpc's compiled kernel, EchoRequest/EchoResponse through
+     protobuf, the attachment split off, an async handler stepped inline; no framework. What
+     any Python baidu_std could reach; not in the default set, ask for it with --only
 
 Measured per scenario, in the measurement window only: QPS, payload MB/s (10^6 bytes, one
 direction), latency p50/p99/p99.9 of each call as its client task sees it, CPU seconds per
@@ -81,6 +85,7 @@ IMPLS = {
     "c": "grpc.aio",
     "d": "raw ceiling",
     "e": "raw + task/request",
+    "f": "protocol floor",
 }
 DEFAULT_IMPLS = "a,b,c,d"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -206,7 +211,25 @@ async def raw_client(port: int):
     return call, close, "raw"
 
 
-CLIENTS = {"a": aiobrpc_client, "b": aiobrpc_client, "c": grpc_client, "d": raw_client, "e": raw_client}
+async def floor_client(port: int):
+    import numpy as np
+    from protocol_floor import FloorClient
+    from aiobrpc._proto import echo_pb2
+    client = await FloorClient.connect("127.0.0.1", port)
+    floorcall, Request, frombuffer, u8 = client.call, echo_pb2.EchoRequest, np.frombuffer, np.uint8
+
+    async def call(arr):
+        _, attachment = await floorcall(Request(message="x"), arr)
+        return frombuffer(attachment, u8)
+
+    async def close():
+        client.close()
+
+    return call, close, "floor"
+
+
+CLIENTS = {"a": aiobrpc_client, "b": aiobrpc_client, "c": grpc_client, "d": raw_client, "e": raw_client,
+           "f": floor_client}
 
 
 def _proc_stat(pid: int) -> list[bytes]:
@@ -394,6 +417,8 @@ def start_server(impl: str, loop: str, env: dict, cpu: int | None = None) -> tup
         cmd = [sys.executable, str(BENCH / "raw_ceiling.py"), "--serve", "--loop", loop]
         if impl == "e":
             cmd.append("--task")
+    elif impl == "f":
+        cmd = [sys.executable, str(BENCH / "protocol_floor.py"), "--serve", "--loop", loop]
     else:
         cmd = [sys.executable, str(BENCH / "echo.py"), "--role", "server", "--impl", impl, "--loop", loop]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT,
@@ -506,7 +531,7 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
         if a is None:
             continue
         cells = [name]
-        for other in ("c", "d", "b", "e"):
+        for other in ("c", "d", "b", "e", "f"):
             o = _find(rows, loop, other, name)
             cells.append(_ratio(a["qps"], o["qps"] if o else None))
         d = _find(rows, loop, "d", name)
@@ -517,7 +542,7 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
 
 def ratios_table(rows: list[dict], loop: str, markdown: bool = False) -> str:
     head = ["scenario", "QPS (a)/(c) grpc", "QPS (a)/(d) raw", "QPS (a)/(b) pure", "QPS (a)/(e) raw+task",
-            "p50 (a)/(d)"]
+            "QPS (a)/(f) floor", "p50 (a)/(d)"]
     lines = [[c[0]] + [f"{x:.2f}x" if x is not None else "-" for x in c[1:]] for c in ratio_rows(rows, loop)]
     return _render(head, lines, markdown)
 
@@ -586,8 +611,8 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
     rows = result["rows"]
     loop = "uvloop" if "uvloop" in result["loops"] else result["loops"][0]
     impls = [i for i in IMPLS if any(r["impl"] == i and r["loop"] == loop for r in rows)]
-    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v"}
-    line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": (0, (5, 2, 1, 2, 1, 2))}
+    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v", "f": "x"}
+    line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": (0, (5, 2, 1, 2, 1, 2)), "f": (0, (1, 1))}
     written = []
     stamp = f"{result['date'][:10]}, {loop}, 2-core VM"
 

@@ -43,7 +43,13 @@ _JOIN_LIMIT = 64 * 1024  # plain asyncio only: smaller buffers are joined before
 
 
 class RawConnection(asyncio.BufferedProtocol):
-    """One end of a raw connection; subclasses implement `frame_received(id, body)`."""
+    """One end of a raw connection; subclasses implement `frame_received(id, body)`.
+
+    The third header word is passed on as `id`; bench/protocol_floor.py reuses this class for
+    baidu_std frames (magic PRPC), whose third word is the meta's size.
+    """
+
+    MAGIC = MAGIC
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -100,11 +106,11 @@ class RawConnection(asyncio.BufferedProtocol):
             return
         self._end += nbytes
         self._header_only = False
-        block, view, unpack = self._block, self._view, HEADER.unpack_from
+        block, view, unpack, expected = self._block, self._view, HEADER.unpack_from, self.MAGIC
         start, end = self._start, self._end
         while end - start >= HEADER_SIZE:
             magic, size, ident = unpack(block, start)
-            if magic != MAGIC:
+            if magic != expected:
                 self.transport.abort()
                 return
             body_start = start + HEADER_SIZE
