@@ -63,7 +63,12 @@ def torch_pull() -> dict:
 
 def rpc_options(master_port: int):
     from torch.distributed import rpc
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{master_port}", rpc_timeout=60)
+    extra = {}
+    if os.environ.get("BENCH_TENSORPIPE_TCP_ONLY"):
+        # TensorPipe between two local processes may move tensors through shared memory and
+        # cross-memory attach (its "shm" transport, "cma" channel); this pins it to TCP sockets.
+        extra = {"_transports": ["uv"], "_channels": ["basic"]}
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{master_port}", rpc_timeout=60, **extra)
 
 
 def server(master_port: int) -> None:
