@@ -3,6 +3,7 @@ on torch.distributed.rpc (TensorPipe), the same model, in the same two processes
 
     python bench/ps_bench.py                # ~40 s; needs torch (the 'train' extra)
     python bench/ps_bench.py --seconds 0.5  # quicker, rougher
+    python bench/ps_bench.py --tensorpipe tcp   # TensorPipe over TCP only, as between hosts
 
 Two processes on 127.0.0.1: this one is the worker; it spawns the server process, which joins
 torch.distributed.rpc as "ps" (rank 0) and also serves aiobrpc.training.ps's ParameterServer. Both
@@ -16,7 +17,9 @@ for each model:
   16 MiB   one key of 4 Mi float32        (bandwidth)
 
 Printed per model and operation: calls/s and MB/s (10^6 bytes of tensors one way) of each, and
-the ratio aiobrpc.training.ps / torch rpc.
+the ratio aiobrpc.training.ps / torch rpc; then the TCP ceiling, messages of the model's size
+per second one way between two processes over loopback TCP with a 1-byte ack and nothing else
+(`tcp_ceiling`), and our rate as a fraction of it: no push or pull over TCP can beat it.
 """
 
 from __future__ import annotations
@@ -61,23 +64,24 @@ def torch_pull() -> dict:
 
 # -- processes --------------------------------------------------------------------------------
 
-def rpc_options(master_port: int):
+def rpc_options(master_port: int, tensorpipe: str):
     from torch.distributed import rpc
     extra = {}
-    if os.environ.get("BENCH_TENSORPIPE_TCP_ONLY"):
-        # TensorPipe between two local processes may move tensors through shared memory and
-        # cross-memory attach (its "shm" transport, "cma" channel); this pins it to TCP sockets.
+    if tensorpipe == "tcp":
+        # Between two local processes TensorPipe moves tensors through shared memory and
+        # cross-memory attach (its "shm" transport, "cma" channel) where it can; this pins it to
+        # its TCP transport and plain channel, what it uses between hosts.
         extra = {"_transports": ["uv"], "_channels": ["basic"]}
     return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{master_port}", rpc_timeout=60, **extra)
 
 
-def server(master_port: int) -> None:
+def server(master_port: int, tensorpipe: str) -> None:
     from torch.distributed import rpc
 
     import aiobrpc
     from aiobrpc.training.ps import SGD, ParameterServer
 
-    rpc.init_rpc("ps", rank=0, world_size=2, rpc_backend_options=rpc_options(master_port))
+    rpc.init_rpc("ps", rank=0, world_size=2, rpc_backend_options=rpc_options(master_port, tensorpipe))
 
     async def serve():
         srv = aiobrpc.Server(aiobrpc.ServerOptions(max_body_size=1 << 30))
@@ -91,6 +95,38 @@ def server(master_port: int) -> None:
     asyncio.set_event_loop_policy(aiobrpc.event_loop_policy())
     asyncio.run(serve())
     rpc.shutdown()
+
+
+def sink(port: int, nbytes: int) -> None:
+    """The receiving end of tcp_ceiling: read messages of `nbytes` into one buffer, ack each."""
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        view = memoryview(bytearray(nbytes))
+        while True:
+            got = 0
+            while got < nbytes:
+                k = conn.recv_into(view[got:])
+                if k == 0:
+                    return
+                got += k
+            conn.sendall(b"k")
+
+
+def tcp_ceiling(nbytes: int, seconds: float) -> float:
+    """Messages per second one way over loopback TCP between two processes, each message of
+    `nbytes` answered by a 1-byte ack (a push and its reply with no protocol, no Python object
+    per message and no update): the most a push over TCP can do on this machine."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        proc = subprocess.Popen([sys.executable, __file__, "--role", "sink", "--sink-port",
+                                 str(listener.getsockname()[1]), "--sink-bytes", str(nbytes)])
+        conn, _ = listener.accept()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        data = np.ones(nbytes, np.uint8)
+        per_s = rate(lambda: (conn.sendall(data), conn.recv(1)), seconds)[0]
+    proc.wait(30)
+    return per_s
 
 
 def free_port() -> int:
@@ -122,26 +158,34 @@ async def arate(call, seconds: float) -> tuple[float, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=2.0, help="measurement time of each cell")
-    p.add_argument("--role", choices=("worker", "server"), default="worker", help=argparse.SUPPRESS)
+    p.add_argument("--tensorpipe", choices=("default", "tcp"), default="default",
+                   help="TensorPipe's transports: its default (shared memory between local processes "
+                        "where it can), or TCP only, as between hosts")
+    p.add_argument("--role", choices=("worker", "server", "sink"), default="worker", help=argparse.SUPPRESS)
     p.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--sink-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--sink-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.role == "sink":
+        return sink(args.sink_port, args.sink_bytes)
     try:
         import torch
         from torch.distributed import rpc
     except ImportError:
         raise SystemExit("ps_bench needs torch (pip install -e '.[train]')") from None
     if args.role == "server":
-        return server(args.master_port)
+        return server(args.master_port, args.tensorpipe)
 
     import aiobrpc
     from aiobrpc.training.ps import PsWorker
 
     master_port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--role", "server", "--master-port", str(master_port)],
+    proc = subprocess.Popen([sys.executable, __file__, "--role", "server", "--master-port", str(master_port),
+                             "--tensorpipe", args.tensorpipe],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     rows = []
     try:
-        rpc.init_rpc("worker", rank=1, world_size=2, rpc_backend_options=rpc_options(master_port))
+        rpc.init_rpc("worker", rank=1, world_size=2, rpc_backend_options=rpc_options(master_port, args.tensorpipe))
         m = re.fullmatch(r"listening on (\S+)\n", proc.stdout.readline())
         if not m:
             raise SystemExit("the server process did not start")
@@ -166,20 +210,25 @@ def main() -> None:
             o_params = {f"{model}/{k}": v.numpy() for k, v in params.items()}
             o_grads = {f"{model}/{k}": v.numpy() for k, v in grads.items()}
             o_push, o_pull = asyncio.run(ours(o_params, o_grads, args.seconds))
+            ceiling = tcp_ceiling(nbytes, args.seconds)
             for op, t, o in (("push", t_push, o_push), ("pull", t_pull, o_pull)):
-                rows.append((model, op, t[0], t[0] * nbytes / 1e6, o[0], o[0] * nbytes / 1e6, o[0] / t[0]))
+                rows.append((model, op, t[0], t[0] * nbytes / 1e6, o[0], o[0] * nbytes / 1e6, o[0] / t[0],
+                             ceiling, o[0] / ceiling))
     finally:
         proc.stdin.close()
         if rpc.api._is_current_rpc_agent_set():
             rpc.shutdown()
         proc.wait(60)
 
-    print(f"aiobrpc.training.ps vs torch.distributed.rpc (TensorPipe), {aiobrpc.implementation()} twins, "
+    print(f"aiobrpc.training.ps vs torch.distributed.rpc (TensorPipe, {args.tensorpipe} transports), "
+          f"{aiobrpc.implementation()} twins, "
           f"{args.seconds:g} s per cell, cpus={os.cpu_count()}")
-    print("| model | op | torch rpc calls/s | torch rpc MB/s | aiobrpc.training.ps calls/s | aiobrpc.training.ps MB/s | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for model, op, tc, tm, oc, om, ratio in rows:
-        print(f"| {model} | {op} | {tc:,.0f} | {tm:,.1f} | {oc:,.0f} | {om:,.1f} | {ratio:.2f}x |")
+    print("| model | op | torch rpc calls/s | torch rpc MB/s | aiobrpc.training.ps calls/s | aiobrpc.training.ps MB/s | ratio "
+          "| TCP ceiling calls/s | aiobrpc / ceiling |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for model, op, tc, tm, oc, om, ratio, ceiling, of_ceiling in rows:
+        print(f"| {model} | {op} | {tc:,.0f} | {tm:,.1f} | {oc:,.0f} | {om:,.1f} | {ratio:.2f}x | {ceiling:,.0f} "
+              f"| {of_ceiling:.2f} |")
 
 
 if __name__ == "__main__":
