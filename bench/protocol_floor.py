@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raw_ceiling import RawConnection, run  # noqa: E402
+from raw_ceiling import RawClient, RawConnection, run  # noqa: E402
 
 from aiobrpc import _fast  # noqa: E402
 from aiobrpc._proto import echo_pb2  # noqa: E402
@@ -75,18 +75,11 @@ class FloorConnection(RawConnection):
             self._flush()
 
 
-class FloorClient(FloorConnection):
-    """`call(request, attachment)` returns a future of (EchoResponse, attachment view)."""
+class FloorClient(FloorConnection, RawClient):
+    """`call(request, attachment)` returns a future of (EchoResponse, attachment view).
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: dict[int, asyncio.Future] = {}
-        self._next_id = 0
-
-    @classmethod
-    async def connect(cls, host: str, port: int) -> FloorClient:
-        _, client = await asyncio.get_running_loop().create_connection(cls, host, port)
-        return client
+    RawClient's pending map, connect, close and connection_lost, with baidu_std frames.
+    """
 
     def call(self, request, attachment) -> asyncio.Future:
         cid = self._next_id = self._next_id + 1
@@ -110,17 +103,6 @@ class FloorClient(FloorConnection):
         fut = self.pending.pop(meta.correlation_id, None)
         if fut is not None and not fut.done():
             fut.set_result((echo_pb2.EchoResponse.FromString(data), attachment))
-
-    def connection_lost(self, exc) -> None:
-        super().connection_lost(exc)
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(ConnectionError("floor connection lost"))
-        self.pending.clear()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
 
 async def echo(request, attachment):
