@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raw_ceiling import RawClient, RawConnection, run  # noqa: E402
+from raw_ceiling import RawClient, RawConnection, run, serve_until_signal  # noqa: E402
 
 from aiobrpc import _fast  # noqa: E402
 from aiobrpc._proto import echo_pb2  # noqa: E402
@@ -138,15 +137,8 @@ class FloorServer(FloorConnection):
 
 
 async def serve(host: str = "127.0.0.1", port: int = 0) -> None:
-    """Serve until SIGTERM/SIGINT; print "PORT <n> floor" once listening."""
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(FloorServer, host, port, reuse_address=True)
-    print(f"PORT {server.sockets[0].getsockname()[1]} floor-{_fast.IMPLEMENTATION}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    server.close()
+    """Serve until SIGTERM/SIGINT; print "PORT <n> floor-<twin>" once listening."""
+    await serve_until_signal(FloorServer, f"floor-{_fast.IMPLEMENTATION}", host, port)
 
 
 def main(argv=None) -> None:

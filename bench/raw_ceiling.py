@@ -228,10 +228,14 @@ class RawTaskEchoServer(RawConnection):
 
 async def serve(host: str = "127.0.0.1", port: int = 0, task_per_request: bool = False) -> None:
     """Serve until SIGTERM/SIGINT; print "PORT <n> raw" once listening."""
+    await serve_until_signal(RawTaskEchoServer if task_per_request else RawEchoServer, "raw", host, port)
+
+
+async def serve_until_signal(factory, label: str, host: str, port: int) -> None:
+    """Serve `factory`'s protocol until SIGTERM/SIGINT; print "PORT <n> <label>" once listening."""
     loop = asyncio.get_running_loop()
-    factory = RawTaskEchoServer if task_per_request else RawEchoServer
     server = await loop.create_server(factory, host, port, reuse_address=True)
-    print(f"PORT {server.sockets[0].getsockname()[1]} raw", flush=True)
+    print(f"PORT {server.sockets[0].getsockname()[1]} {label}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
