@@ -19,7 +19,8 @@ for each model:
 Printed per model and operation: calls/s and MB/s (10^6 bytes of tensors one way) of each, and
 the ratio aiobrpc.training.ps / torch rpc; then the TCP ceiling, messages of the model's size
 per second one way between two processes over loopback TCP with a 1-byte ack and nothing else
-(`tcp_ceiling`), and our rate as a fraction of it: no push or pull over TCP can beat it.
+(`tcp_ceiling`), and our rate as a fraction of it: what a push or pull over TCP can reach at
+most (short cells are noisy, so a fraction may come out above 1).
 """
 
 from __future__ import annotations
