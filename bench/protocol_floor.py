@@ -18,7 +18,6 @@ the gap between aiobrpc (a) and it is the price of the framework. bench/echo.py 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raw_ceiling import RawClient, RawConnection, run, serve_until_signal  # noqa: E402
+from raw_ceiling import RawClient, RawConnection, parse_serve_args, run, serve_until_signal  # noqa: E402
 
 from aiobrpc import _fast  # noqa: E402
 from aiobrpc._proto import echo_pb2  # noqa: E402
@@ -142,13 +141,7 @@ async def serve(host: str = "127.0.0.1", port: int = 0) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--serve", action="store_true", help="run the echo server")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    args = p.parse_args(argv)
-    if not args.serve:
-        p.error("only --serve is runnable by itself; bench/echo.py drives the client")
+    args = parse_serve_args(__doc__, argv)
     run(serve(port=args.port), args.loop)
 
 

@@ -250,15 +250,24 @@ def run(coro, loop_name: str):
     return asyncio.run(coro)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_serve_args(doc: str, argv=None, configure=None) -> argparse.Namespace:
+    """The command line of a bench server script (this one, bench/protocol_floor.py): --serve,
+    --port, --loop, and what `configure(parser)` adds."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--serve", action="store_true", help="run the echo server")
-    p.add_argument("--task", action="store_true", help="a Task per request (variant e)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    if configure is not None:
+        configure(p)
     args = p.parse_args(argv)
     if not args.serve:
         p.error("only --serve is runnable by itself; bench/echo.py drives the client")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_serve_args(__doc__, argv, lambda p: p.add_argument(
+        "--task", action="store_true", help="a Task per request (variant e)"))
     run(serve(port=args.port, task_per_request=args.task), args.loop)
 
 
