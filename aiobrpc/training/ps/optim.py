@@ -65,11 +65,11 @@ _CHUNK = 1 << 16  # elements: a scratch that stays in cache
 def _sub_scaled(value: np.ndarray, grad: np.ndarray, alpha: float) -> None:
     """value -= alpha * grad, in place, through a small scratch instead of a full-size temporary
     (whose allocation and page faults cost more than the arithmetic for a large key)."""
-    v, g = value.reshape(-1), grad.reshape(-1)
     a = value.dtype.type(alpha)
-    if v.size <= _CHUNK:
-        v -= g * a
+    if value.size <= _CHUNK:
+        value -= grad * a  # same shapes (the store checked them): no flat views needed
         return
+    v, g = value.reshape(-1), grad.reshape(-1)
     scratch = np.empty(_CHUNK, value.dtype)
     for i in range(0, v.size, _CHUNK):
         n = min(_CHUNK, v.size - i)
