@@ -4,6 +4,7 @@ on torch.distributed.rpc (TensorPipe), the same model, in the same two processes
     python bench/ps_bench.py                # ~40 s; needs torch (the 'train' extra)
     python bench/ps_bench.py --seconds 0.5  # quicker, rougher
     python bench/ps_bench.py --tensorpipe tcp   # TensorPipe over TCP only, as between hosts
+    python bench/ps_bench.py --rounds 3 --seconds 1   # every cell 3 times, taking turns: medians
 
 Two processes on 127.0.0.1: this one is the worker; it spawns the server process, which joins
 torch.distributed.rpc as "ps" (rank 0) and also serves aiobrpc.training.ps's ParameterServer. Both
@@ -17,10 +18,10 @@ for each model:
   16 MiB   one key of 4 Mi float32        (bandwidth)
 
 Printed per model and operation: calls/s and MB/s (10^6 bytes of tensors one way) of each, and
-the ratio aiobrpc.training.ps / torch rpc; then the TCP ceiling, messages of the model's size
-per second one way between two processes over loopback TCP with a 1-byte ack and nothing else
-(`tcp_ceiling`), and our rate as a fraction of it: what a push or pull over TCP can reach at
-most (short cells are noisy, so a fraction may come out above 1).
+the ratio aiobrpc.training.ps / torch rpc; then the raw transfer, messages of the model's size
+per second one way between two processes, each answered by an empty one, through
+bench/raw_ceiling.py with no protocol and no update (`raw_rate`), and our rate as a fraction of
+it: a reference for small messages; large ones outrun it, so it is no bound there.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from statistics import median
 
 import numpy as np
 
@@ -98,36 +101,27 @@ def server(master_port: int, tensorpipe: str) -> None:
     rpc.shutdown()
 
 
-def sink(port: int, nbytes: int) -> None:
-    """The receiving end of tcp_ceiling: read messages of `nbytes` into one buffer, ack each."""
-    with socket.create_connection(("127.0.0.1", port)) as conn:
-        view = memoryview(bytearray(nbytes))
-        while True:
-            got = 0
-            while got < nbytes:
-                k = conn.recv_into(view[got:])
-                if k == 0:
-                    return
-                got += k
-            conn.sendall(b"k")
-
-
-def tcp_ceiling(nbytes: int, seconds: float) -> float:
-    """Messages per second one way over loopback TCP between two processes, each message of
-    `nbytes` answered by a 1-byte ack (a push and its reply with no protocol, no Python object
-    per message and no update): the most a push over TCP can do on this machine."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        proc = subprocess.Popen([sys.executable, __file__, "--role", "sink", "--sink-port",
-                                 str(listener.getsockname()[1]), "--sink-bytes", str(nbytes)])
-        conn, _ = listener.accept()
-    with conn:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+async def raw_rate(nbytes: int, seconds: float) -> float:
+    """Messages of `nbytes` per second one way over loopback TCP, each answered by an empty
+    one: bench/raw_ceiling.py's client against its sink server (a future per message, 12-byte
+    frames; no protocol, no tensors, no update), on the worker's loop. A reference for the
+    transfer alone, not a bound: for large messages aiobrpc's transport outruns it (as in
+    bench/echo.py at 16 MiB)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from raw_ceiling import RawClient
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "raw_ceiling.py"),
+                               "--serve", "--sink"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline().split()[1])
+        client = await RawClient.connect("127.0.0.1", port)
         data = np.ones(nbytes, np.uint8)
-        per_s = rate(lambda: (conn.sendall(data), conn.recv(1)), seconds)[0]
-    proc.wait(30)
-    return per_s
+        try:
+            return (await arate(lambda: client.call(data), seconds))[0]
+        finally:
+            client.close()
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def free_port() -> int:
@@ -159,16 +153,16 @@ async def arate(call, seconds: float) -> tuple[float, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=2.0, help="measurement time of each cell")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every cell this many times, taking turns; print medians")
     p.add_argument("--tensorpipe", choices=("default", "tcp"), default="default",
                    help="TensorPipe's transports: its default (shared memory between local processes "
                         "where it can), or TCP only, as between hosts")
-    p.add_argument("--role", choices=("worker", "server", "sink"), default="worker", help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=("worker", "server"), default="worker", help=argparse.SUPPRESS)
     p.add_argument("--master-port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--sink-port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--sink-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.role == "sink":
-        return sink(args.sink_port, args.sink_bytes)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     try:
         import torch
         from torch.distributed import rpc
@@ -205,16 +199,21 @@ def main() -> None:
             grads = {k: torch.ones(size) for k in params}
             nbytes = nkeys * size * 4
             rpc.rpc_sync("ps", torch_init, args=(params,))
-            t_push = rate(lambda: rpc.rpc_sync("ps", torch_push, args=(grads,)), args.seconds)
-            t_pull = rate(lambda: rpc.rpc_sync("ps", torch_pull), args.seconds)
             # Keys of their own per model: a server keeps what it was given (first init wins).
             o_params = {f"{model}/{k}": v.numpy() for k, v in params.items()}
             o_grads = {f"{model}/{k}": v.numpy() for k, v in grads.items()}
-            o_push, o_pull = asyncio.run(ours(o_params, o_grads, args.seconds))
-            ceiling = tcp_ceiling(nbytes, args.seconds)
-            for op, t, o in (("push", t_push, o_push), ("pull", t_pull, o_pull)):
-                rows.append((model, op, t[0], t[0] * nbytes / 1e6, o[0], o[0] * nbytes / 1e6, o[0] / t[0],
-                             ceiling, o[0] / ceiling))
+            rounds = []  # (torch push, torch pull, our push, our pull, raw transfer), calls/s
+            for _ in range(args.rounds):
+                t_push = rate(lambda: rpc.rpc_sync("ps", torch_push, args=(grads,)), args.seconds)[0]
+                t_pull = rate(lambda: rpc.rpc_sync("ps", torch_pull), args.seconds)[0]
+                o_push, o_pull = asyncio.run(ours(o_params, o_grads, args.seconds))
+                raw = asyncio.run(raw_rate(nbytes, args.seconds))
+                rounds.append((t_push, t_pull, o_push[0], o_pull[0], raw))
+            for op, t, o in (("push", 0, 2), ("pull", 1, 3)):
+                # Rates are the median over rounds; ratios the median of each round's own ratio.
+                tc, oc, raw = (median(r[i] for r in rounds) for i in (t, o, 4))
+                rows.append((model, op, tc, tc * nbytes / 1e6, oc, oc * nbytes / 1e6,
+                             median(r[o] / r[t] for r in rounds), raw, median(r[o] / r[4] for r in rounds)))
     finally:
         proc.stdin.close()
         if rpc.api._is_current_rpc_agent_set():
@@ -223,13 +222,13 @@ def main() -> None:
 
     print(f"aiobrpc.training.ps vs torch.distributed.rpc (TensorPipe, {args.tensorpipe} transports), "
           f"{aiobrpc.implementation()} twins, "
-          f"{args.seconds:g} s per cell, cpus={os.cpu_count()}")
+          f"{args.seconds:g} s per cell, median of {args.rounds} round(s), cpus={os.cpu_count()}")
     print("| model | op | torch rpc calls/s | torch rpc MB/s | aiobrpc.training.ps calls/s | aiobrpc.training.ps MB/s | ratio "
-          "| TCP ceiling calls/s | aiobrpc / ceiling |")
+          "| raw transfer calls/s | aiobrpc / raw |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for model, op, tc, tm, oc, om, ratio, ceiling, of_ceiling in rows:
-        print(f"| {model} | {op} | {tc:,.0f} | {tm:,.1f} | {oc:,.0f} | {om:,.1f} | {ratio:.2f}x | {ceiling:,.0f} "
-              f"| {of_ceiling:.2f} |")
+    for model, op, tc, tm, oc, om, ratio, raw, of_raw in rows:
+        print(f"| {model} | {op} | {tc:,.0f} | {tm:,.1f} | {oc:,.0f} | {om:,.1f} | {ratio:.2f}x | {raw:,.0f} "
+              f"| {of_raw:.2f} |")
 
 
 if __name__ == "__main__":

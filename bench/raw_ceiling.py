@@ -121,7 +121,7 @@ class RawConnection(asyncio.BufferedProtocol):
                 continue
             if size > LARGE_THRESHOLD:
                 have = end - body_start
-                large = bytearray(size)
+                large = self.large_buffer(size)
                 large[:have] = view[body_start:end]
                 self._large, self._large_view = large, memoryview(large)
                 self._large_filled = have
@@ -132,6 +132,10 @@ class RawConnection(asyncio.BufferedProtocol):
 
     def frame_received(self, ident: int, body) -> None:
         raise NotImplementedError
+
+    def large_buffer(self, size: int) -> bytearray:
+        """The buffer a large body is read into (its own: the echo sends it back as it is)."""
+        return bytearray(size)
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, ident: int, body, nbytes: int) -> None:
@@ -211,6 +215,23 @@ class RawEchoServer(RawConnection):
         self.send(ident, body, len(body))
 
 
+class RawSinkServer(RawConnection):
+    """Answers each body with an empty one: the raw ceiling of a one-way transfer (a push).
+
+    A body is dropped once received, so large ones are all read into one buffer, reused.
+    """
+
+    _kept = bytearray()
+
+    def frame_received(self, ident: int, body) -> None:
+        self.send(ident, b"", 0)
+
+    def large_buffer(self, size: int) -> bytearray:
+        if len(self._kept) != size:
+            self._kept = bytearray(size)
+        return self._kept
+
+
 class RawTaskEchoServer(RawConnection):
     """Echoes each body from an `async def` handler run in a Task per request."""
 
@@ -226,9 +247,11 @@ class RawTaskEchoServer(RawConnection):
         return body
 
 
-async def serve(host: str = "127.0.0.1", port: int = 0, task_per_request: bool = False) -> None:
+async def serve(host: str = "127.0.0.1", port: int = 0, task_per_request: bool = False,
+                sink: bool = False) -> None:
     """Serve until SIGTERM/SIGINT; print "PORT <n> raw" once listening."""
-    await serve_until_signal(RawTaskEchoServer if task_per_request else RawEchoServer, "raw", host, port)
+    factory = RawSinkServer if sink else RawTaskEchoServer if task_per_request else RawEchoServer
+    await serve_until_signal(factory, "raw", host, port)
 
 
 async def serve_until_signal(factory, label: str, host: str, port: int) -> None:
@@ -265,10 +288,14 @@ def parse_serve_args(doc: str, argv=None, configure=None) -> argparse.Namespace:
     return args
 
 
+def _server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", action="store_true", help="a Task per request (variant e)")
+    p.add_argument("--sink", action="store_true", help="answer every body with an empty one (bench/ps_bench.py)")
+
+
 def main(argv=None) -> None:
-    args = parse_serve_args(__doc__, argv, lambda p: p.add_argument(
-        "--task", action="store_true", help="a Task per request (variant e)"))
-    run(serve(port=args.port, task_per_request=args.task), args.loop)
+    args = parse_serve_args(__doc__, argv, _server_options)
+    run(serve(port=args.port, task_per_request=args.task, sink=args.sink), args.loop)
 
 
 if __name__ == "__main__":
