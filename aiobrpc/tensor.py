@@ -191,7 +191,7 @@ def _checked(info: TensorInfo, i: int, size: int) -> tuple[int, tuple[int, ...],
     itemsize = _ITEMSIZE.get(code)
     if itemsize is None:
         raise ValueError(f"{_what(info, i)}: missing or unknown dtype in TensorMeta")
-    shape = tuple(info.shape[:])  # a slice is a list made in C; tuple(container) iterates it in 3x the time
+    shape = tuple(info.shape[:])  # slicing first: 3x faster than tuple() of the container
     count = 1
     for d in shape:
         if d < 0:

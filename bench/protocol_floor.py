@@ -13,7 +13,7 @@ Its frames are brpc's: a C++ brpc client could call this server's EchoService.Ec
 between it and the raw ceiling (d) is the price of the protocol and of protobuf's Python API;
 the gap between aiobrpc (a) and it is the price of the framework. bench/echo.py calls it (f).
 
-    python bench/protocol_floor.py --serve [--loop asyncio]   # prints "PORT <n> floor"
+    python bench/protocol_floor.py --serve [--loop asyncio]   # prints "PORT <n> floor-cython"
 """
 
 from __future__ import annotations

@@ -216,7 +216,8 @@ class RawEchoServer(RawConnection):
 
 
 class RawSinkServer(RawConnection):
-    """Answers each body with an empty one: the raw ceiling of a one-way transfer (a push).
+    """Answers each body with an empty one: a one-way transfer with nothing else (the raw
+    reference of bench/ps_bench.py).
 
     A body is dropped once received, so large ones are all read into one buffer, reused.
     """
