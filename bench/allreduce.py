@@ -5,7 +5,9 @@ Run: python bench/allreduce.py [--worlds 2 4] [--sizes 4K..64M] [--plot docs/img
 For each world size, that many processes start on this machine (loopback); each runs both
 gloo's allreduce and aiobrpc's (a `GroupThread` rendezvoused through the same torch TCPStore)
 on float32 tensors of each size, alternating, and rank 0 reports the median time per call.
-Bus bandwidth is NCCL-tests' convention: bytes / seconds * 2 (N - 1) / N. Needs torch (the
+Bus bandwidth is NCCL-tests' convention: bytes / seconds * 2 (N - 1) / N. The CPU columns are
+each process's CPU time (all its threads, user + system) per call, averaged over the ranks:
+where the ranks outnumber the cores, CPU per call is what sets the rate. Needs torch (the
 "train" extra); matplotlib (the "bench" extra) for --plot.
 """
 
@@ -70,6 +72,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], budget_s: float, 
                 group.all_reduce(a)
 
             results = {}
+            cpu = {"gloo": torch.zeros(3, dtype=torch.float64), "aiobrpc": torch.zeros(3, dtype=torch.float64)}
             for name, fn in (("gloo", gloo), ("aiobrpc", ours), ("gloo", gloo), ("aiobrpc", ours)):
                 dist.barrier()
                 # the same number of calls on every rank: rank 0's estimate, broadcast
@@ -77,13 +80,21 @@ def worker(rank: int, world: int, port: int, sizes: list[int], budget_s: float, 
                 dist.broadcast(n, 0)
                 dist.barrier()
                 times = [0.0] * int(n[0])
+                c0 = os.times()
                 for i in range(len(times)):
                     t0 = time.perf_counter()
                     fn()
                     times[i] = time.perf_counter() - t0
+                c1 = os.times()
+                cpu[name] += torch.tensor([c1.user - c0.user, c1.system - c0.system, len(times)], dtype=torch.float64)
                 results.setdefault(name, []).extend(times)
-            rows.append({"bytes": nbytes, "gloo_s": statistics.median(results["gloo"]),
-                         "aiobrpc_s": statistics.median(results["aiobrpc"])})
+            row = {"bytes": nbytes, "gloo_s": statistics.median(results["gloo"]),
+                   "aiobrpc_s": statistics.median(results["aiobrpc"])}
+            for name, c in cpu.items():  # CPU seconds per call, this process's threads, mean over ranks
+                dist.all_reduce(c)
+                row[f"{name}_user_s"] = float(c[0] / c[2])
+                row[f"{name}_sys_s"] = float(c[1] / c[2])
+            rows.append(row)
     finally:
         group.close()
         dist.destroy_process_group()
@@ -119,15 +130,18 @@ def main() -> int:
         for p in procs:
             p.join()
         results[world] = rows
-    print(f"| world | size | gloo busbw MB/s | aiobrpc busbw MB/s | aiobrpc / gloo | gloo ms | aiobrpc ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| world | size | gloo busbw MB/s | aiobrpc busbw MB/s | aiobrpc / gloo | gloo ms | aiobrpc ms "
+          "| gloo CPU ms user+sys | aiobrpc CPU ms user+sys |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for world, rows in results.items():
         factor = 2 * (world - 1) / world
         for row in rows:
             g = row["bytes"] / row["gloo_s"] * factor / 1e6
             o = row["bytes"] / row["aiobrpc_s"] * factor / 1e6
             print(f"| {world} | {human(row['bytes'])} | {g:,.0f} | {o:,.0f} | {o / g:.2f}x | "
-                  f"{row['gloo_s'] * 1e3:.3f} | {row['aiobrpc_s'] * 1e3:.3f} |")
+                  f"{row['gloo_s'] * 1e3:.3f} | {row['aiobrpc_s'] * 1e3:.3f} | "
+                  f"{row['gloo_user_s'] * 1e3:.2f}+{row['gloo_sys_s'] * 1e3:.2f} | "
+                  f"{row['aiobrpc_user_s'] * 1e3:.2f}+{row['aiobrpc_sys_s'] * 1e3:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(k): v for k, v in results.items()}, f, indent=1)
