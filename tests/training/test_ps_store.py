@@ -61,6 +61,19 @@ def test_sgd_and_sum_rules():
         Adam(betas=(0.9, 1.0))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", [optim._CHUNK - 1, optim._CHUNK, 2 * optim._CHUNK + 7])
+def test_sgd_of_a_large_key_equals_numpy_bit_for_bit(size, dtype):
+    """Keys larger than the scratch are stepped a scratch at a time: the same two roundings
+    (product, then difference) as numpy's expression, element for element, tail included."""
+    rng = np.random.default_rng(size)
+    w = rng.standard_normal(size).astype(dtype).reshape(-1, 1)  # 2-D: flattened views inside
+    g = rng.standard_normal(size).astype(dtype).reshape(-1, 1)
+    expected = w - g * dtype(0.37)
+    SGD(lr=0.37).apply(w, g, None)
+    assert w.dtype == dtype and np.array_equal(w, expected)
+
+
 def adam_reference(w, grads, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
     m = np.zeros_like(w, np.float64)
     v = np.zeros_like(w, np.float64)

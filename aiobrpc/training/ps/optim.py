@@ -59,7 +59,10 @@ class Sum(Optimizer):
         return "Sum()"
 
 
-_CHUNK = 1 << 16  # elements: a scratch that stays in cache
+# Elements of the scratch: small enough to stay in cache, large enough that the numpy calls
+# are few (an SGD step over 16 MiB of float32 here: 2.33 ms with 64 Ki elements, 1.66 ms
+# with 256 Ki, 1.61 ms with 512 Ki).
+_CHUNK = 1 << 18
 
 
 def _sub_scaled(value: np.ndarray, grad: np.ndarray, alpha: float) -> None:
