@@ -1,9 +1,9 @@
 """CPU per call of aiobrpc.training.ps, in the worker and in the server, one key of a given size.
 
-Run: python bench/ps_push_cost.py [--mib 16] [--op push|pull] [--seconds 3]
+Run: python bench/ps_push_cost.py [--mib 16] [--keys 1] [--op push|pull] [--seconds 3]
 
-A server process (async mode, SGD) and this worker process on 127.0.0.1 push (or pull) one
-float32 key, one call at a time, and each reports its CPU time (all threads, user and system)
+A server process (async mode, SGD) and this worker process on 127.0.0.1 push (or pull) float32
+keys (`--keys` of them, `--mib` in all), one call at a time, and each reports its CPU time (all threads, user and system)
 per call. Where the two processes share 2 cores, the sum is what bounds the rate: a large push
 costs the kernel's two socket copies (the worker's send, the server's receive) and the SGD
 pass over the key, and no protocol can do with less over TCP.
@@ -42,10 +42,10 @@ async def serve() -> None:
     await srv.join(5)
 
 
-async def work(address: str, server: subprocess.Popen, elems: int, op: str, seconds: float) -> tuple:
+async def work(address: str, server: subprocess.Popen, elems: int, keys: int, op: str, seconds: float) -> tuple:
     async with PsWorker([address], 0, timeout_s=60, max_body_size=1 << 30) as w:
-        await w.init({"w": np.zeros(elems, np.float32)})
-        grads = {"w": np.ones(elems, np.float32)}
+        await w.init({f"w{i}": np.zeros(elems // keys, np.float32) for i in range(keys)})
+        grads = {f"w{i}": np.ones(elems // keys, np.float32) for i in range(keys)}
         call = (lambda: w.push(grads)) if op == "push" else w.pull
         for _ in range(5):
             await call()
@@ -66,6 +66,7 @@ async def work(address: str, server: subprocess.Popen, elems: int, op: str, seco
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=float, default=16.0, help="size of the key in MiB")
+    ap.add_argument("--keys", type=int, default=1, help="keys the size is split into")
     ap.add_argument("--op", choices=["push", "pull"], default="push")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--role", default="worker", help=argparse.SUPPRESS)
@@ -81,13 +82,13 @@ def main() -> int:
         if not address:
             raise SystemExit("the server process did not start")
         n, elapsed, user, system = asyncio.run(
-            work(address, server, int(args.mib * (1 << 20)) // 4, args.op, args.seconds))
+            work(address, server, int(args.mib * (1 << 20)) // 4, args.keys, args.op, args.seconds))
         s_user, s_system = (float(x) for x in server.stdout.readline().split())
         server.stdin.close()
     finally:
         server.wait(10)
     ms = 1e3 / n
-    print(f"{args.op} of {args.mib:g} MiB: {n / elapsed:,.0f} calls/s ({n} calls); CPU per call: "
+    print(f"{args.op} of {args.mib:g} MiB in {args.keys} key(s): {n / elapsed:,.0f} calls/s ({n} calls); CPU per call: "
           f"worker {user * ms:.2f} user + {system * ms:.2f} sys ms, server {s_user * ms:.2f} user + "
           f"{s_system * ms:.2f} sys ms; total {(user + system + s_user + s_system) * ms:.2f} ms "
           f"(at most {len(os.sched_getaffinity(0)) * 1e3 / ((user + system + s_user + s_system) * ms):,.0f} "
