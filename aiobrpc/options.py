@@ -263,6 +263,9 @@ class ServerOptions:
         handler_threads: Threads of the pool that runs plain `def` handlers.
         server_tag: The "[ip:port]" prefix of the error texts sent to clients; default: the
             connection's local address, as brpc.
+        has_builtin_services: Serve the builtin pages (/status, /vars, /brpc_metrics, /health,
+            /version, /flags, /protobufs, /connections, /index) over HTTP on the server's port.
+        version: What /version answers; default: the servicers' class names joined by "+".
         extra: Free-form settings kept with the options; aiobrpc reads none of them.
     """
 
@@ -276,6 +279,8 @@ class ServerOptions:
     max_connections: int = 10000
     handler_threads: int = 8  # thread pool for plain-def handlers
     server_tag: str | None = None  # "[ip:port]" prefix of error texts; default: the local address
+    has_builtin_services: bool = True
+    version: str = ""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -11,11 +11,14 @@ from ..protocol.baidu_std import SERVER
 from ..protocol.events import StreamFrameReceived
 from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
+from . import detect
 from .dispatch import attachment_destination, auth_failure_response
+from .http import HttpSession
 
 log = logging.getLogger(__name__)
 _auth_log = RateLimitedLog()
 _timeout_log = RateLimitedLog()
+_detect_log = RateLimitedLog()
 
 _OPEN, _NEEDS_AUTH, _VERIFYING, _REJECTED = 0, 1, 2, 3
 _MAX_QUEUED_BEFORE_VERDICT = 64
@@ -33,8 +36,10 @@ class ServerConnection(FramedConnection):
         self.frames = 0
         self.eof = False
         self.poisoned = False
-        self.last_active = self.loop.time()
+        self.last_active = self.opened_at = self.loop.time()
         self._first_frame_timer = None
+        self.protocol: str | None = None  # named by the first bytes (detect.py)
+        self.http: HttpSession | None = None
         if server.registry.places:
             self.receive_attachments_into(self._attachment_destination)
 
@@ -62,12 +67,50 @@ class ServerConnection(FramedConnection):
             self.decoder.reader.rbuf.clear()
             return
         self.last_active = self.loop.time()
+        if self.protocol is None or self.http is not None:
+            self._not_baidu_std(nbytes)
+            return
         # Handlers that do not suspend reply while their requests are read (run inline): their
         # replies go out together, in one write when this read is handled, as soon as the
         # lone reply of one request in flight and with no loop iteration in between.
         self.batching_writes = True
         try:
             super().buffer_updated(nbytes)
+        finally:
+            self.batching_writes = False
+        if self._out and not self._flush_scheduled:
+            self._flush()
+
+    def _not_baidu_std(self, nbytes: int) -> None:
+        """Bytes of a connection whose protocol is not known yet, or is HTTP."""
+        self.decoder.buffer_updated(nbytes)
+        rbuf = self.decoder.reader.rbuf
+        if self.http is not None:
+            self.http.data_received(bytes(rbuf.take(rbuf.available())))
+            return
+        proto = detect.detect(bytes(rbuf.peek(min(rbuf.available(), detect.LONGEST))))
+        if proto is None:
+            return
+        self.protocol = proto
+        if proto == detect.HTTP:
+            if self._first_frame_timer is not None:  # the HTTP session times the request head
+                self._first_frame_timer.cancel()
+                self._first_frame_timer = None
+            self.http = HttpSession(self)
+            self.http.data_received(bytes(rbuf.take(rbuf.available())))
+            return
+        if proto in (detect.TLS, detect.H2):
+            self.protocol = detect.UNKNOWN
+            _detect_log(logging.WARNING, "closing connection from %s: it speaks %s, which this server does not "
+                        "serve", self.peer, "TLS" if proto == detect.TLS else "HTTP/2")
+            self.server.stats.count_close("unknown_protocol")
+            self.abort()
+            return
+        # baidu_std, or bytes no protocol takes: the frame reader reads them (and names the
+        # latter when it closes the connection)
+        self.batching_writes = True
+        try:
+            self.process_events()
         finally:
             self.batching_writes = False
         if self._out and not self._flush_scheduled:
@@ -167,6 +210,8 @@ class ServerConnection(FramedConnection):
     # -- lifecycle ---------------------------------------------------------------------------
     def keep_open_after_eof(self) -> bool:
         self.eof = True
+        if self.http is not None:
+            return self.http.eof_received()
         return self.inflight > 0 or self.auth_state == _VERIFYING
 
     def request_done(self) -> None:
@@ -207,4 +252,6 @@ class ServerConnection(FramedConnection):
             self._first_frame_timer.cancel()
             self._first_frame_timer = None
         self.queued.clear()
+        if self.http is not None:
+            self.http.closed()
         self.server.connection_closed(self)

@@ -14,6 +14,7 @@ from google.protobuf.message import EncodeError
 
 from .. import _fast
 from ..controller import Controller
+from ..metrics import MethodStatus
 from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EOVERCROWDED, EREQUEST, ERESPONSE,
                       RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, checksum, compress, content, streaming
@@ -24,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class MethodEntry:
     __slots__ = ("service_name", "method_name", "handler", "is_async", "request_class",
-                 "response_class", "full_name", "place")
+                 "response_class", "full_name", "place", "status", "descriptor")
 
     def __init__(self, descriptor, handler, place=None) -> None:
         self.place = place  # the servicer's receive_attachment_into, when it has its own
+        self.descriptor = descriptor
+        self.status = MethodStatus()
         self.service_name = descriptor.containing_service.full_name
         self.method_name = descriptor.name
         self.full_name = f"{self.service_name}/{self.method_name}"
@@ -56,6 +59,7 @@ class Registry:
         self.services: dict[str, dict[str, MethodEntry]] = {}
         self._short: dict[str, str | None] = {}
         self.places = False  # some servicer chooses where attachments are received
+        self.servicer_names: list[str] = []  # class names, for the server's default version
 
     def add(self, servicer: Servicer) -> None:
         service = getattr(servicer, "SERVICE", None)
@@ -74,6 +78,7 @@ class Registry:
                 handler = _not_implemented(m.name)
             methods[m.name] = MethodEntry(m, handler, place)
         self.services[service.full_name] = methods
+        self.servicer_names.append(type(servicer).__name__)
         short = service.name
         self._short[short] = None if short in self._short else service.full_name
 

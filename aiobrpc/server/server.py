@@ -14,6 +14,7 @@ import concurrent.futures
 import inspect
 import logging
 import sys
+import time
 
 from ..errors import EFAILEDSOCKET, EINTERNAL, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
 from ..options import ServerOptions
@@ -35,6 +36,7 @@ _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 # suspended coroutine to a Task made with `context=`, which 3.10's Task does not take).
 _INLINE = sys.version_info[:2] == (3, 11)
 _refuse_log = RateLimitedLog()
+_now_ns = time.perf_counter_ns
 _CLOSE_GRACE_SEC = 1.0  # join() without a timeout: how long peers get to read their last replies
 
 
@@ -112,6 +114,7 @@ class Server:
         self._idle_checker: asyncio.Task | None = None
         self.port = 0
         self.host = ""
+        self.started_at = 0.0  # time.monotonic() at start()
 
     def add_service(self, servicer: Servicer) -> None:
         """Serve the methods of `servicer` (a `Servicer` with its `SERVICE` set), before
@@ -145,6 +148,7 @@ class Server:
                                                   reuse_address=True)
         sockname = self._listener.sockets[0].getsockname()
         self.host, self.port = sockname[0], sockname[1]
+        self.started_at = time.monotonic()
         if self.options.idle_timeout_sec > 0:
             self._idle_checker = loop.create_task(self._close_idle_connections())
 
@@ -307,6 +311,9 @@ class Server:
             self._tasks.add(task)
 
     async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
+        status = entry.status
+        status.concurrency += 1
+        started = _now_ns()
         try:
             response = None
             try:
@@ -349,6 +356,8 @@ class Server:
                           conn.peer)
             conn.abort()
         finally:
+            status.concurrency -= 1
+            status.latency.record((_now_ns() - started) // 1000, cntl.error_code != 0)
             if self._tasks:
                 self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1

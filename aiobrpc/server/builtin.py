@@ -1,0 +1,300 @@
+"""The builtin pages a brpc server serves on its own port: /status, /vars, /brpc_metrics, ...
+
+Each page is plain text for `curl` (a User-Agent with `curl/`, none, or `?console=1`), HTML
+for a browser, and JSON with `?format=json` (or `Accept: application/json`) where its data is a
+table. Nothing here reads a file or runs anything a URL names: an unknown path is a 404.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import html
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+from ..metrics import PERCENTILES, underscored
+from .http_rpc import HttpReply, method_listing
+
+PAGES = ("index", "status", "vars", "brpc_metrics", "health", "version", "flags", "protobufs", "connections")
+_TEXT = "text/plain"
+_HTML = "text/html"
+
+
+class Request:
+    """What a page reads of an HTTP request."""
+
+    __slots__ = ("server", "path", "query", "headers")
+
+    def __init__(self, server, path: str, query: dict, headers: dict) -> None:
+        self.server = server
+        self.path = path          # the rest after the page's name, e.g. "rpc_server_*" of /vars/rpc_server_*
+        self.query = query        # {name: last value}
+        self.headers = headers    # lower-case names
+
+    @property
+    def console(self) -> bool:
+        ua = self.headers.get("user-agent", "")
+        return not ua or "curl/" in ua or self.query.get("console") == "1"
+
+    @property
+    def wants_json(self) -> bool:
+        return self.query.get("format") == "json" or "application/json" in self.headers.get("accept", "")
+
+
+def serve_page(name: str, req: Request) -> HttpReply:
+    return _ROUTES[name](req)
+
+
+def _reply(body: str, content_type: str = _TEXT, status: int = 200) -> HttpReply:
+    return HttpReply(status, [("Content-Type", content_type)], body.encode())
+
+
+def _json(data) -> HttpReply:
+    return _reply(json.dumps(data, indent=1, sort_keys=False) + "\n", "application/json")
+
+
+def _text_or_html(req: Request, title: str, text: str) -> HttpReply:
+    if req.console:
+        return _reply(text)
+    return _reply(_page(title, f"<pre>{html.escape(text)}</pre>"), _HTML)
+
+
+def _page(title: str, body: str) -> str:
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title></head>"
+            f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")
+
+
+# -- the server's figures ----------------------------------------------------------------------
+def version_of(server) -> str:
+    """ServerOptions.version, or the servicers' class names joined by "+" (as brpc makes it)."""
+    if server.options.version:
+        return server.options.version
+    return "+".join(server.registry.servicer_names) or "unknown"
+
+
+def server_summary(server) -> dict:
+    limit = server.options.max_concurrency
+    return {"version": version_of(server), "aiobrpc": _aiobrpc_version(),
+            "non_service_error": server.stats.failed_requests - sum(
+                e.status.latency.errors for m in server.registry.services.values() for e in m.values()),
+            "connection_count": len(server.connections),
+            "max_concurrency": limit or "unlimited", "concurrency": server.concurrency,
+            "uptime_s": round(time.monotonic() - server.started_at, 3) if server.started_at else 0}
+
+
+def method_figures(server) -> dict:
+    """{service: {method: {count, qps, error, eps, latency, latency_50.., max_latency, concurrency}}}"""
+    return {svc: {name: e.status.describe() for name, e in methods.items()}
+            for svc, methods in server.registry.services.items()}
+
+
+def variables(server) -> list[tuple[str, object]]:
+    """Every exposed variable as (name, value), by brpc's names."""
+    prefix = f"rpc_server_{server.port}"
+    out: list[tuple[str, object]] = []
+    for svc, methods in method_figures(server).items():
+        for name, figs in methods.items():
+            base = f"{prefix}_{underscored(svc + '.' + name)}"
+            out.extend((f"{base}_{k}", v) for k, v in figs.items())
+    s = server.stats
+    summary = server_summary(server)
+    out += [(f"{prefix}_connection_count", summary["connection_count"]),
+            (f"{prefix}_concurrency", server.concurrency),
+            (f"{prefix}_max_concurrency", server.options.max_concurrency),
+            (f"{prefix}_requests", s.requests), (f"{prefix}_error", s.failed_requests),
+            (f"{prefix}_non_service_error", summary["non_service_error"]),
+            (f"{prefix}_uptime", summary["uptime_s"]),
+            (f"{prefix}_connections_accepted", s.connections_accepted),
+            (f"{prefix}_connections_refused", s.connections_refused)]
+    out += [(f"{prefix}_conn_closed_{underscored(reason)}", n) for reason, n in sorted(s.closed.items())]
+    out += _process_variables()
+    out.append(("aiobrpc_version", _aiobrpc_version()))
+    out.append(("python_version", sys.version.split()[0]))
+    return sorted(out)
+
+
+_PROCESS_START = time.monotonic()
+
+
+def _aiobrpc_version() -> str:
+    from .. import __version__  # the package imports this module while it initialises
+    return __version__
+
+
+def _process_variables() -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = [("process_uptime", round(time.monotonic() - _PROCESS_START, 3))]
+    try:
+        with open("/proc/self/statm") as f:
+            out.append(("process_memory_resident", int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")))
+        out.append(("process_fd_count", len(os.listdir("/proc/self/fd"))))
+    except OSError:  # not Linux: these two are not known
+        pass
+    times = os.times()
+    out.append(("process_cpu_seconds", round(times.user + times.system, 3)))
+    return out
+
+
+# -- pages ---------------------------------------------------------------------------------------
+def _index(req: Request) -> HttpReply:
+    server = req.server
+    lines = [f"{p}: /{p}" for p in PAGES if p != "index"]
+    lines.append("")
+    for svc, methods in server.registry.services.items():
+        lines += [f"{svc}/{m}: /{svc}/{m}" for m in methods]
+    if req.console:
+        return _reply("\n".join(lines) + "\n")
+    links = "".join(f'<li><a href="/{p}">/{p}</a></li>' for p in PAGES if p != "index")
+    methods = "".join(f'<li><a href="/{html.escape(s)}/{html.escape(m)}">{html.escape(s)}/{html.escape(m)}</a></li>'
+                      for s, ms in server.registry.services.items() for m in ms)
+    return _reply(_page("aiobrpc server", f"<ul>{links}</ul><h2>Services</h2><ul>{methods}</ul>"), _HTML)
+
+
+def _health(req: Request) -> HttpReply:
+    return _reply("OK")
+
+
+def _version(req: Request) -> HttpReply:
+    return _reply(version_of(req.server))
+
+
+_COLUMNS = ["count", "qps", "error", "eps", "latency"] + [f"latency_{p}" for p in PERCENTILES] + \
+    ["max_latency", "concurrency", "max_concurrency"]
+
+
+def _status(req: Request) -> HttpReply:
+    server = req.server
+    summary, figures = server_summary(server), method_figures(server)
+    if req.wants_json:
+        return _json({**summary, "services": figures})
+    if req.console:
+        lines = [f"{k}: {v}" for k, v in summary.items()]
+        for svc, methods in figures.items():
+            lines += ["", f"[{svc}]"]
+            for name, figs in methods.items():
+                lines.append(name)
+                lines += [f"  {k}: {v}" for k, v in figs.items()]
+        return _reply("\n".join(lines) + "\n")
+    head = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in summary.items())
+    parts = [f'<table class="server">{head}</table>']
+    for svc, methods in figures.items():
+        rows = ["<tr><th>method</th>" + "".join(f"<th>{c}</th>" for c in _COLUMNS) + "</tr>"]
+        for name, figs in methods.items():
+            rows.append(f"<tr><td>{html.escape(name)}</td>"
+                        + "".join(f"<td>{figs.get(c, '')}</td>" for c in _COLUMNS) + "</tr>")
+        parts.append(f'<h2>{html.escape(svc)}</h2><table class="service" data-service="{html.escape(svc)}">'
+                     + "".join(rows) + "</table>")
+    return _reply(_page("status", "\n".join(parts)), _HTML)
+
+
+def _vars(req: Request) -> HttpReply:
+    patterns = [p for p in req.path.split(";") if p] or ["*"]
+    found = [(n, v) for n, v in variables(req.server) if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if req.wants_json:
+        return _json(dict(found))
+    return _text_or_html(req, "vars", "".join(f"{n} : {v}\n" for n, v in found))
+
+
+def prometheus_text(server) -> str:
+    """Every numeric variable as a Prometheus gauge; each method's latencies as a summary."""
+    prefix = f"rpc_server_{server.port}"
+    out: list[str] = []
+    folded = {"latency", "max_latency"} | {f"latency_{p}" for p in PERCENTILES}
+    for svc, methods in method_figures(server).items():
+        for name, figs in methods.items():
+            base = f"{prefix}_{underscored(svc + '.' + name)}"
+            m = f"{base}_latency"
+            out += [f"# HELP {m}", f"# TYPE {m} summary"]
+            for p in PERCENTILES:
+                q = p / 10 ** len(str(p))
+                out.append(f'{m}{{quantile="{q:g}"}} {figs[f"latency_{p}"]}')
+            out.append(f'{m}{{quantile="1"}} {figs["max_latency"]}')
+            out.append(f"{m}_sum {figs['latency'] * figs['count']}")
+            out.append(f"{m}_count {figs['count']}")
+            for k, v in figs.items():
+                if k not in folded:
+                    out += [f"# HELP {base}_{k}", f"# TYPE {base}_{k} gauge", f"{base}_{k} {v}"]
+    method_vars = {f"{prefix}_{underscored(s + '.' + n)}" for s, ms in server.registry.services.items() for n in ms}
+    for name, value in variables(server):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # string-valued variables are skipped, as brpc does
+        if any(name.startswith(b + "_") for b in method_vars):
+            continue
+        out += [f"# HELP {name}", f"# TYPE {name} gauge", f"{name} {value}"]
+    return "\n".join(out) + "\n"
+
+
+def _metrics(req: Request) -> HttpReply:
+    return _reply(prometheus_text(req.server), "text/plain; version=0.0.4")
+
+
+def _flags(req: Request) -> HttpReply:
+    opts = req.server.options
+    rows = []
+    for f in dataclasses.fields(opts):
+        v = getattr(opts, f.name)
+        if f.name == "auth" and v is not None:
+            v = type(v).__name__
+        rows.append((f.name, v))
+    if req.path:
+        rows = [(n, v) for n, v in rows if fnmatch.fnmatchcase(n, req.path)]
+    if req.wants_json:
+        return _json({n: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for n, v in rows})
+    return _text_or_html(req, "flags", "".join(f"{n} : {v!r}\n" for n, v in rows))
+
+
+def _protobufs(req: Request) -> HttpReply:
+    server = req.server
+    if req.path:
+        text = _describe(server, req.path)
+        if text is None:
+            return _reply(f"no service or message named {req.path!r} here\n", status=404)
+        return _text_or_html(req, req.path, text)
+    names = []
+    for svc, methods in server.registry.services.items():
+        names.append(svc)
+        for e in methods.values():
+            names += [e.request_class.DESCRIPTOR.full_name, e.response_class.DESCRIPTOR.full_name]
+    return _text_or_html(req, "protobufs", "".join(f"{n}\n" for n in dict.fromkeys(names)))
+
+
+def _describe(server, name: str) -> str | None:
+    methods = server.registry.services.get(name)
+    if methods is not None:
+        listing = method_listing(methods).replace("\n", "\n  ")
+        return f"service {name.rsplit('.', 1)[-1]} {{\n  {listing}\n}}\n"
+    for ms in server.registry.services.values():
+        for e in ms.values():
+            for cls in (e.request_class, e.response_class):
+                if cls.DESCRIPTOR.full_name == name:
+                    from google.protobuf import descriptor_pb2
+                    proto = descriptor_pb2.DescriptorProto()
+                    cls.DESCRIPTOR.CopyToProto(proto)
+                    return str(proto)
+    return None
+
+
+def _connections(req: Request) -> HttpReply:
+    server = req.server
+    now = server_now()
+    rows = [{"remote": c.peer, "local": c.local, "protocol": c.protocol or "detecting",
+             "inflight": c.inflight, "streams": len(c.streams) if c.streams else 0,
+             "unwritten_bytes": c.unwritten_bytes(), "age_s": round(now - c.opened_at, 3)}
+            for c in list(server.connections)]
+    if req.wants_json:
+        return _json(rows)
+    cols = ["remote", "local", "protocol", "inflight", "streams", "unwritten_bytes", "age_s"]
+    lines = [" | ".join(cols)] + [" | ".join(str(r[c]) for c in cols) for r in rows]
+    return _text_or_html(req, "connections", "\n".join(lines) + "\n")
+
+
+def server_now() -> float:
+    return time.monotonic()
+
+
+_ROUTES: dict[str, Callable[[Request], HttpReply]] = {
+    "index": _index, "status": _status, "vars": _vars, "brpc_metrics": _metrics, "health": _health,
+    "version": _version, "flags": _flags, "protobufs": _protobufs, "connections": _connections}

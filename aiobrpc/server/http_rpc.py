@@ -1,0 +1,231 @@
+"""A protobuf method called over HTTP: the body to the request message, the handler, the reply.
+
+As brpc's HTTP access: `/<Service>/<Method>` (full or short service name), any verb. The body
+is read by its Content-Type (the media type after `application/`, parameters ignored):
+`proto` or `x-protobuf` binary, `proto-text` text format, `proto-json` canonical protobuf JSON,
+anything else (`json`, none, `text/plain`) brpc's JSON (proto field names, bytes in base64,
+enums by name or number; unknown fields ignored). The response is written the same way as the
+request, with the request's Content-Type (none when the request had none). An error answers the
+status of its code, `x-bd-error-code: <code>` and the text `[host:port][E<code>]<text>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+from typing import Any
+
+from google.protobuf import json_format, text_format
+from google.protobuf.descriptor import FieldDescriptor
+
+from .. import _fast
+from ..controller import Controller
+from ..errors import (EINTERNAL, EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
+                      ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
+from .dispatch import exception_text
+
+log = logging.getLogger(__name__)
+
+_STATUS = {0: 200, ENOSERVICE: 404, ENOMETHOD: 404, ERPCAUTH: 401, EREQUEST: 400, EINVAL: 400,
+           ELIMIT: 503, ELOGOFF: 503, EPERM: 403, ERPCTIMEDOUT: 504, ETIMEDOUT: 504}
+_INT64 = (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64)
+
+
+def http_status(code: int) -> int:
+    """The HTTP status brpc answers for error `code` (errors.md, ErrorCodeToStatusCode)."""
+    return _STATUS.get(code, 500)
+
+
+class HttpReply:
+    """What goes back: status, headers (after Content-Length), body."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: list, body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+def error_reply(code: int, text: str, tag: str) -> HttpReply:
+    return HttpReply(http_status(code), [("Content-Type", "text/plain"), ("x-bd-error-code", str(code))],
+                     f"[{tag}][E{code}]{text}".encode())
+
+
+def media_type(content_type: str | None) -> str:
+    """"proto" for "application/proto; charset=x"; "" for none."""
+    if not content_type:
+        return ""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind[len("application/"):] if kind.startswith("application/") else kind
+
+
+def parse_body(message_class, body: bytes, content_type: str | None):
+    """The request message in `body`; RpcError(EREQUEST) naming why it cannot be read."""
+    msg = message_class()
+    kind = media_type(content_type)
+    name = msg.DESCRIPTOR.full_name
+    try:
+        if kind in ("proto", "x-protobuf"):
+            msg.ParseFromString(body)
+        elif kind == "proto-text":
+            text_format.Parse(body.decode("utf-8"), msg)
+        elif not body:
+            missing = [f.name for f in msg.DESCRIPTOR.fields if _is_required(f)]
+            if missing:
+                raise RpcError(EREQUEST, f"{name} needs to be created from a non-empty json, it has required fields.")
+        else:
+            json_format.Parse(body.decode("utf-8"), msg, ignore_unknown_fields=True)
+    except RpcError:
+        raise
+    except Exception as e:  # every parser's error: the caller sent something unreadable
+        raise RpcError(EREQUEST, f"Fail to parse the body as {kind or 'json'} into {name}: {e}") from None
+    return msg
+
+
+def _is_required(field) -> bool:
+    try:
+        return field.is_required  # protobuf >= 5
+    except AttributeError:
+        return field.label == FieldDescriptor.LABEL_REQUIRED
+
+
+def write_body(msg, content_type: str | None) -> bytes:
+    kind = media_type(content_type)
+    if kind in ("proto", "x-protobuf"):
+        return msg.SerializeToString()
+    if kind == "proto-text":
+        return text_format.MessageToString(msg).encode()
+    if kind == "proto-json":
+        return json_format.MessageToJson(msg, indent=None).encode()
+    return json.dumps(to_brpc_json(msg), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def to_brpc_json(msg) -> dict:
+    """The message as brpc's pb2json writes it: proto field names, 64-bit integers as numbers
+    (canonical protobuf JSON writes them as strings)."""
+    d = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    _numbers(msg.DESCRIPTOR, d)
+    return d
+
+
+def _numbers(desc, d: dict) -> None:
+    for f in desc.fields:
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if f.type in _INT64:
+            d[f.name] = [int(x) for x in v] if isinstance(v, list) else int(v)
+        elif f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:
+            value_field = f.message_type.fields_by_name["value"]
+            if value_field.type in _INT64:
+                d[f.name] = {k: int(x) for k, x in v.items()}
+            elif value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                for x in v.values():
+                    _numbers(value_field.message_type, x)
+        elif f.type == FieldDescriptor.TYPE_MESSAGE and not f.message_type.full_name.startswith("google.protobuf."):
+            for x in (v if isinstance(v, list) else [v]):
+                _numbers(f.message_type, x)
+
+
+def method_listing(methods: dict) -> str:
+    """`rpc Echo (EchoRequest) returns (EchoResponse);` per method, as brpc lists them."""
+    return "\n".join(f"rpc {m} ({e.request_class.DESCRIPTOR.name}) returns ({e.response_class.DESCRIPTOR.name});"
+                     for m, e in methods.items())
+
+
+async def call_over_http(server, conn, path: str, headers: dict, body: bytes) -> HttpReply:
+    """Call the method `path` names with `body`; the reply, success or error."""
+    tag = server.options.server_tag or conn.local
+    parts = [p for p in path.split("/") if p]
+    registry = server.registry
+    full = parts[0] if "." in parts[0] else registry._short.get(parts[0])
+    methods = registry.services.get(full) if full else None
+    if methods is None:
+        return error_reply(ENOSERVICE, f"Fail to find service on `{path}'", tag)
+    entry = methods.get(parts[1]) if len(parts) > 1 else None
+    if entry is None:
+        if len(parts) == 1:
+            return error_reply(ENOMETHOD, f"Missing method name for service {full}. Available methods:\n"
+                               + method_listing(methods), tag)
+        return error_reply(ENOMETHOD, f"Fail to find method on `{path}'", tag)
+    server.stats.requests += 1
+    if server.stopping:
+        return _refused(server, ELOGOFF, "Server is stopping", tag)
+    limit = server.options.max_concurrency
+    if limit and server.concurrency >= limit:
+        return _refused(server, ELIMIT, f"Reached server's max_concurrency={limit}", tag)
+    content_type = headers.get("content-type")
+    try:
+        if entry.request_class.DESCRIPTOR.fields:
+            request, attachment = parse_body(entry.request_class, body, content_type), b""
+        else:  # a "pure HTTP" method: the body is left in the attachment
+            request, attachment = entry.request_class(), body
+    except RpcError as e:
+        server.stats.failed_requests += 1
+        return error_reply(e.code, e.text, tag)
+    cntl = Controller()
+    cntl.service_name, cntl.method_name = entry.service_name, entry.method_name
+    cntl.remote_side = conn.peer
+    cntl.request_attachment = attachment
+    log_id = headers.get("log-id", "")
+    if log_id.isdigit() and int(log_id) < 1 << 64:
+        cntl.log_id = int(log_id)
+    response = await _run(server, conn, entry, request, cntl)
+    if cntl.error_code:
+        server.stats.failed_requests += 1
+        return error_reply(cntl.error_code, cntl.error_text, tag)
+    out_headers = [("Content-Type", content_type)] if content_type else []
+    try:
+        attachment = cntl.response_attachment
+        if attachment is not None and (len(_fast.byte_view(attachment)) or not entry.response_class.DESCRIPTOR.fields):
+            return HttpReply(200, out_headers, _fast.byte_view(attachment).tobytes())
+        return HttpReply(200, out_headers, write_body(response, content_type))
+    except Exception as e:  # noqa: BLE001 - a response that cannot be written is the server's error
+        log.error("%s: the response cannot be written as %s: %r", entry.full_name, content_type, e)
+        server.stats.failed_requests += 1
+        return error_reply(ERESPONSE, f"Fail to write the response: {e}", tag)
+
+
+def _refused(server, code: int, text: str, tag: str) -> HttpReply:
+    server.stats.failed_requests += 1
+    return error_reply(code, text, tag)
+
+
+async def _run(server, conn, entry, request, cntl: Controller) -> Any:
+    """The handler's response; cntl failed with the error it raised or left."""
+    status = entry.status
+    server.concurrency += 1
+    status.concurrency += 1
+    conn.inflight += 1
+    started = time.perf_counter_ns()
+    response = None
+    try:
+        if entry.is_async:
+            response = await entry.handler(request, cntl)
+        else:
+            response = await asyncio.get_running_loop().run_in_executor(
+                server._thread_pool(), entry.handler, request, cntl)
+        while inspect.isawaitable(response):
+            response = await response
+        if not cntl.error_code and not isinstance(response, entry.response_class):
+            why = f"handler returned {type(response).__name__}, expected {entry.response_class.DESCRIPTOR.full_name}"
+            log.error("%s: %s", entry.full_name, why)
+            cntl.error_code, cntl.error_text = ERESPONSE, why
+    except RpcError as e:
+        cntl.error_code, cntl.error_text = e.code, e.text
+    except Exception as e:  # noqa: BLE001 - the handler's bug: logged, answered as EINTERNAL
+        log.error("handler %s failed", entry.full_name, exc_info=e)
+        cntl.error_code, cntl.error_text = EINTERNAL, exception_text(e)
+    finally:
+        status.concurrency -= 1
+        status.latency.record((time.perf_counter_ns() - started) // 1000, cntl.error_code != 0)
+        server.concurrency -= 1
+        if server.concurrency == 0 and server._idle is not None and not server._idle.done():
+            server._idle.set_result(None)
+        conn.request_done()
+    return response
