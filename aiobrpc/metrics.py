@@ -51,9 +51,10 @@ class _Second:
 class LatencyRecorder:
     """Calls and their latencies (microseconds), over all time and over the last `window` s."""
 
-    __slots__ = ("window", "_slots", "_cur", "_old_count", "_old_errors", "_old_sum", "_max_ever", "_born")
+    __slots__ = ("window", "_slots", "_cur", "_old_count", "_old_errors", "_old_sum", "_max_ever", "_born",
+                 "_clock")
 
-    def __init__(self, window: int = WINDOW_S) -> None:
+    def __init__(self, window: int = WINDOW_S, clock=time.monotonic) -> None:
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1 (seconds), got {window!r}")
         self.window = window
@@ -61,11 +62,12 @@ class LatencyRecorder:
         self._cur = self._slots[0]
         self._old_count = self._old_errors = self._old_sum = 0  # of slots reused since
         self._max_ever = 0
-        self._born = time.monotonic()
+        self._clock = clock  # seconds, monotonic (tests pass their own)
+        self._born = clock()
 
     def record(self, us: int, failed: bool = False) -> None:
         """One call that took `us` microseconds (clamped to 0..2^63-1); `failed`: it ended in error."""
-        sec = int(time.monotonic())
+        sec = int(self._clock())
         cur = self._cur
         if cur.second != sec:
             cur = self._advance(sec)
@@ -96,12 +98,12 @@ class LatencyRecorder:
     # -- reading -------------------------------------------------------------------------------
     def _recent(self) -> list[_Second]:
         """The slots of the last `window` whole seconds (the second now is not yet whole)."""
-        now = int(time.monotonic())
+        now = int(self._clock())
         return [s for s in self._slots if now - self.window <= s.second < now]
 
     def _seconds(self) -> float:
         """Seconds the window covers: less while the recorder is younger than the window."""
-        age = time.monotonic() - self._born
+        age = self._clock() - self._born
         return float(max(1, min(self.window, int(age))))
 
     @property

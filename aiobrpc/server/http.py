@@ -3,9 +3,11 @@
 The bytes are parsed by h11, never by hand. Requests on a connection are answered one at a
 time, in order (pipelined ones wait their turn). Limits, each answered and then closed:
 a request head over MAX_HEAD_BYTES (431), a target over MAX_TARGET_BYTES (414), a body over
-the server's max_body_size (413, before it is read), a malformed request, both Content-Length
-and Transfer-Encoding, or conflicting Content-Lengths (400), a head not complete within
-first_frame_timeout_sec (408: slow headers).
+the server's max_body_size (413: at once for a Content-Length, as soon as a chunked body passes
+it), a malformed request, both Content-Length and Transfer-Encoding, or conflicting
+Content-Lengths (400), a head not complete within first_frame_timeout_sec (408: slow headers).
+Stricter than h11 on those; as lenient as h11 elsewhere: an obs-fold line is joined to the one
+before it (RFC 7230 lets a server do that instead of refusing it).
 """
 
 from __future__ import annotations
@@ -108,6 +110,12 @@ class HttpSession:
         headers = {}
         lengths = 0
         chunked = False
+        # h11 bounds a head that arrives in pieces (max_incomplete_event_size); one that
+        # arrives whole is measured here
+        head_bytes = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
+        if head_bytes > MAX_HEAD_BYTES:
+            self._reject(431, f"the request head is over {MAX_HEAD_BYTES} bytes")
+            return False
         for name, value in event.headers:
             name = name.lower()
             if name == b"content-length":
@@ -139,9 +147,14 @@ class HttpSession:
             log.error("answering %s %s from %s raised %r", request.method, request.target, self.conn.peer, e,
                       exc_info=e)
             reply = HttpReply(500, [("Content-Type", "text/plain")], b"internal error\n")
+        if reply is None:
+            self.server.stats.count_close("close_connection")
+            self.finished = True
+            self.conn.close()
+            return
         self._send(request, reply)
 
-    async def _route(self, request: h11.Request, headers: dict, body: bytes) -> HttpReply:
+    async def _route(self, request: h11.Request, headers: dict, body: bytes) -> HttpReply | None:
         target = request.target.decode("latin-1")
         parts = urlsplit(target)
         path = unquote(parts.path)

@@ -138,8 +138,9 @@ def method_listing(methods: dict) -> str:
                      for m, e in methods.items())
 
 
-async def call_over_http(server, conn, path: str, headers: dict, body: bytes) -> HttpReply:
-    """Call the method `path` names with `body`; the reply, success or error."""
+async def call_over_http(server, conn, path: str, headers: dict, body: bytes) -> HttpReply | None:
+    """Call the method `path` names with `body`; the reply, success or error, or None where
+    the handler closed the connection instead (`cntl.close_connection`)."""
     tag = server.options.server_tag or conn.local
     parts = [p for p in path.split("/") if p]
     registry = server.registry
@@ -176,6 +177,8 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
     if log_id.isdigit() and int(log_id) < 1 << 64:
         cntl.log_id = int(log_id)
     response = await _run(server, conn, entry, request, cntl)
+    if cntl._close_reason is not None:
+        return None  # the handler asked to close the connection instead of answering
     if cntl.error_code:
         server.stats.failed_requests += 1
         return error_reply(cntl.error_code, cntl.error_text, tag)

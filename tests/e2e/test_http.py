@@ -1,0 +1,279 @@
+"""HTTP/1.1 on the server's port: detection from the first bytes, protobuf methods as JSON or
+binary, errors as brpc maps them, and the H rows of docs/hostile_inputs.md."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+
+import pytest
+import pytest_asyncio
+
+import aiobrpc
+from aiobrpc._proto import interop_pb2
+from aiobrpc.protocol import baidu_std
+from aiobrpc.server.detect import H2_PREFACE
+from tests.helpers.interop_server import InteropEcho
+from tests.helpers.peers import raw_exchange
+from tests.helpers.wire import frame, rpc_meta
+
+MIB = 1 << 20
+Req, Resp = interop_pb2.EchoRequest, interop_pb2.EchoResponse
+SVC = "interop.EchoService"
+
+
+@pytest_asyncio.fixture
+async def server():
+    srv = aiobrpc.Server(aiobrpc.ServerOptions(max_body_size=MIB, first_frame_timeout_sec=0.5,
+                                               server_tag="127.0.0.1:9110"))
+    srv.add_service(InteropEcho())
+    await srv.start("127.0.0.1:0")
+    yield srv
+    # a fresh connection is still served, over both protocols
+    status, _, body = await fetch(srv, "GET", "/health")
+    assert (status, body) == (200, b"OK")
+    got, _ = await raw_exchange(srv.port, req_frame(cid=99), want=1)
+    assert [e.meta.correlation_id for e in responses(got)] == [99]
+    await srv.stop()
+    await srv.join(timeout=2)
+    assert not srv.connections and srv.concurrency == 0
+
+
+def req_frame(cid=1, message="x"):
+    return frame(rpc_meta(service=SVC, correlation_id=cid), Req(message=message).SerializeToString())
+
+
+def responses(data: bytes) -> list:
+    dec = baidu_std.Decoder(baidu_std.CLIENT)
+    dec.feed(data)
+    return dec.events()
+
+
+async def fetch(srv, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, headers as a list of (name, value), body) from an ordinary HTTP client."""
+    def go():
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, r.getheaders(), r.read()
+        finally:
+            c.close()
+    return await asyncio.to_thread(go)
+
+
+def header(headers: list, name: str):
+    found = [v for k, v in headers if k.lower() == name.lower()]
+    return found[0] if found else None
+
+
+# -- H1: one port, every protocol ----------------------------------------------------------------
+async def test_http_and_baidu_std_share_the_port(server):
+    got, _ = await raw_exchange(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", want=40)
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\nOK")
+    got, _ = await raw_exchange(server.port, req_frame(cid=7, message="over prpc"), want=1)
+    (ev,) = responses(got)
+    assert ev.meta.correlation_id == 7 and Resp.FromString(bytes(ev.data)).message == "over prpc"
+
+
+@pytest.mark.parametrize("data", [
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32),  # a TLS ClientHello: TLS is not enabled
+    H2_PREFACE,                                                    # HTTP/2: not served
+    b"XXXX" + bytes(8),                                            # nothing known
+    b"GETX / HTTP/1.1\r\n\r\n",                                    # not quite a method
+])
+async def test_bytes_no_protocol_takes_close_the_connection(server, data):
+    got, closed = await raw_exchange(server.port, data)
+    assert closed and got == b""
+    assert server.stats.closed["unknown_protocol"] == 1
+
+
+async def test_a_method_split_over_reads_is_still_detected(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    for piece in (b"G", b"E", b"T /health HTTP/1.1\r\n", b"Host: x\r\n\r\n"):
+        writer.write(piece)
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+    assert head.startswith(b"HTTP/1.1 200")
+    writer.close()
+
+
+# -- methods over HTTP -----------------------------------------------------------------------------
+async def test_json_in_json_out_as_brpc_answers(server):
+    status, headers, body = await fetch(server, "POST", "/interop.EchoService/Echo", b'{"message":"hi"}')
+    assert status == 200 and header(headers, "Content-Type") is None  # none asked, none written
+    resp = json.loads(body)
+    assert resp["message"] == "hi" and resp["calls_served"] == 1 and isinstance(resp["log_id"], int)
+    status, headers, body = await fetch(server, "PUT", "/EchoService/Echo", b'{"message":"short","unknown":1}',
+                                        {"Content-Type": "application/json", "log-id": "12345678901"})
+    assert status == 200 and header(headers, "Content-Type") == "application/json"
+    resp = json.loads(body)
+    assert resp["message"] == "short" and resp["log_id"] == 12345678901  # int64 as a number, as brpc
+
+
+async def test_binary_protobuf_and_bytes_fields(server):
+    req = Req(message="bin", payload=b"\x00\xffpayload")
+    status, headers, body = await fetch(server, "POST", f"/{SVC}/Echo", req.SerializeToString(),
+                                        {"Content-Type": "application/proto"})
+    assert status == 200 and header(headers, "Content-Type") == "application/proto"
+    resp = Resp.FromString(body)
+    assert resp.message == "bin" and resp.payload_size == 9
+    payload = base64.b64encode(b"\x01\x02").decode()
+    status, _, body = await fetch(server, "POST", f"/{SVC}/Echo",
+                                  json.dumps({"message": "b64", "payload": payload}).encode())
+    assert status == 200 and json.loads(body)["payload_size"] == 2
+
+
+async def test_canonical_json_and_text_format(server):
+    status, headers, body = await fetch(server, "POST", f"/{SVC}/Echo", b'{"message":"c","sleepMs":"x"}',
+                                        {"Content-Type": "application/proto-json"})
+    assert status == 400  # a bad value for a known field is an error, not ignored
+    status, headers, body = await fetch(server, "POST", f"/{SVC}/Echo", b'{"message":"c","other":1}',
+                                        {"Content-Type": "application/proto-json"})
+    assert status == 200 and json.loads(body)["serverTimeoutMs"] == "-1"  # canonical: int64 as a string
+    status, headers, body = await fetch(server, "POST", f"/{SVC}/Echo", b'message: "t"',
+                                        {"Content-Type": "application/proto-text"})
+    assert status == 200 and b'message: "t"' in body
+
+
+@pytest.mark.parametrize("path,body,status,code,text", [
+    (f"/{SVC}/Foo", b"", 404, 1002, f"Fail to find method on `/{SVC}/Foo'"),
+    (f"/{SVC}", b"", 404, 1002, "rpc Echo (EchoRequest) returns (EchoResponse);"),
+    ("/nope.Service/Echo", b"", 404, None, "Fail to find service"),
+    (f"/{SVC}/Echo", b"", 400, 1003, "interop.EchoRequest needs to be created from a non-empty json"),
+    (f"/{SVC}/Echo", b"{not json", 400, 1003, "Fail to parse the body"),
+    (f"/{SVC}/Echo", b'{"message":"m","fail_code":1234,"fail_text":"user failure"}', 500, 1234,
+     "[127.0.0.1:9110][E1234]user failure"),
+    (f"/{SVC}/Echo", b'{"message":"m","fail_code":2004}', 503, 2004, "[E2004]"),
+    (f"/{SVC}/Echo", b'{"message":"m","fail_code":1008}', 504, 1008, "[E1008]"),
+])
+async def test_errors_map_to_statuses_as_brpc_does(server, path, body, status, code, text):
+    got_status, headers, got = await fetch(server, "POST", path, body)
+    assert got_status == status and text in got.decode()
+    assert header(headers, "Content-Type") == "text/plain"
+    if code is not None:
+        assert header(headers, "x-bd-error-code") == str(code)
+
+
+async def test_max_concurrency_answers_503_elimit(server):
+    server.options.max_concurrency = 1
+    slow = asyncio.ensure_future(fetch(server, "POST", f"/{SVC}/Echo", b'{"message":"s","sleep_ms":300}'))
+    await asyncio.sleep(0.1)
+    status, headers, body = await fetch(server, "POST", f"/{SVC}/Echo", b'{"message":"fast"}')
+    assert status == 503 and header(headers, "x-bd-error-code") == "2004"
+    assert b"max_concurrency=1" in body
+    assert (await slow)[0] == 200
+    server.options.max_concurrency = 0
+
+
+async def test_a_handler_closing_the_connection_answers_nothing(server):
+    body = b'{"message":"m","close_connection":true}'
+    got, closed = await raw_exchange(server.port, b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body), read_timeout=2)
+    assert closed and got == b""
+
+
+async def test_the_same_calls_are_counted_for_both_protocols(server):
+    await fetch(server, "POST", f"/{SVC}/Echo", b'{"message":"a"}')
+    await fetch(server, "POST", f"/{SVC}/Echo", b'{"message":"a","fail_code":1234}')
+    await raw_exchange(server.port, req_frame(cid=3), want=1)
+    figures = server.registry.services[SVC]["Echo"].status.describe()
+    assert figures["count"] == 3 and figures["error"] == 1 and figures["concurrency"] == 0
+
+
+# -- H3-H11 --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("data,status", [
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),  # H3
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 10\r\n\r\nhello", 400),  # H4
+    (b"GET /x HTTP/1.1\r\nHo\x00st: x\r\n\r\n", 400),  # H5 NUL in a name
+    (b"GET /x HTTP/1.1\r\nHost: x\r\nBad Name: y\r\n\r\n", 400),  # H5 a space in a name
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\n", 400),  # H6 a sign
+    (b"GET /x HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 100_000 + b"\r\n\r\n", 431),  # H7
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MIB + 1), 413),  # H8
+    (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+])
+async def test_malformed_or_oversized_requests_are_answered_then_closed(server, data, status):
+    got, closed = await raw_exchange(server.port, data, read_timeout=2)
+    assert got.startswith(b"HTTP/1.1 %d " % status) and b"Connection: close" in got
+    assert closed
+    assert server.stats.closed["bad_http"] == 1
+
+
+async def test_a_chunked_body_over_the_limit_is_refused_before_it_is_all_read(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n" % (256 * 1024) + b"a" * (256 * 1024) + b"\r\n"
+    closed = False
+    try:
+        for _ in range(8):  # 2 MiB offered, 1 MiB allowed
+            writer.write(chunk)
+            await writer.drain()
+    except ConnectionError:
+        closed = True
+    try:
+        got = await asyncio.wait_for(reader.read(), 2)
+    except ConnectionResetError:  # closed with our chunks unread: the kernel resets
+        got, closed = b"", True
+    assert got.startswith(b"HTTP/1.1 413 ") or closed
+    assert server.stats.closed["bad_http"] == 1
+    writer.close()
+
+
+async def test_a_huge_chunk_size_is_no_overflow_and_still_bounded(server):  # H6
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"fffffffffffffffffff\r\n")
+    closed = False
+    try:
+        for _ in range(8):  # the chunk it announced is never allowed past max_body_size
+            writer.write(b"a" * (256 * 1024))
+            await writer.drain()
+        got = await asyncio.wait_for(reader.read(), 2)
+    except ConnectionResetError:
+        got, closed = b"", True
+    assert got.startswith(b"HTTP/1.1 413 ") or closed
+    writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(server):  # H9
+    first = b'{"message":"first","sleep_ms":9}'
+    second = b'{"message":"second"}'
+    data = (b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(first), first, len(second), second))
+    got, _ = await raw_exchange(server.port, data, read_timeout=1)
+    assert got.count(b"HTTP/1.1 200 OK") == 2
+    assert got.index(b'"first"') < got.index(b'"second"')
+
+
+async def test_slow_headers_are_closed_at_the_head_timeout(server):  # H10
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /health HTTP/1.1\r\n")
+    await writer.drain()
+    got = await asyncio.wait_for(reader.read(), 3)  # first_frame_timeout_sec=0.5
+    assert got.startswith(b"HTTP/1.1 408 ")
+    writer.close()
+
+
+async def test_a_keep_alive_connection_serves_many_requests(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    for i in range(3):
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(2) == b"OK"
+        await asyncio.sleep(0.6 if i == 0 else 0)  # idle between requests is not a slow head
+    writer.close()
+
+
+@pytest.mark.parametrize("path", ["/..%2f..%2fetc/passwd", "/../../etc/passwd", "/static/../../x",
+                                  "/%00", "/vars/../../etc"])
+async def test_traversal_paths_are_404_never_a_file(server, path):  # H11
+    status, _, body = await fetch(server, "GET", path)
+    assert status in (200, 404)
+    assert b"root:" not in body
+    if not path.startswith("/vars"):
+        assert status == 404
