@@ -266,6 +266,9 @@ class ServerOptions:
         has_builtin_services: Serve the builtin pages (/status, /vars, /brpc_metrics, /health,
             /version, /flags, /protobufs, /connections, /index) over HTTP on the server's port.
         version: What /version answers; default: the servicers' class names joined by "+".
+        method_status: Keep each method's figures (count, QPS, errors, latency percentiles,
+            concurrency) for /status, /vars and /brpc_metrics; False spares about 0.4 us of
+            CPU per call, and those pages then show no calls.
         extra: Free-form settings kept with the options; aiobrpc reads none of them.
     """
 
@@ -281,6 +284,7 @@ class ServerOptions:
     server_tag: str | None = None  # "[ip:port]" prefix of error texts; default: the local address
     has_builtin_services: bool = True
     version: str = ""
+    method_status: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

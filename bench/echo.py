@@ -28,6 +28,8 @@ Implementations:
      baidu_std frames, RpcMeta by aiobrpc's compiled kernel, EchoRequest/EchoResponse through
      protobuf, the attachment split off, an async handler stepped inline; no framework. What
      any Python baidu_std could reach; not in the default set, ask for it with --only
+  g  as (a), the server without per-method status (ServerOptions(method_status=False)): what
+     the figures of /status, /vars and /brpc_metrics cost per call; ask for it with --only
 
 Measured per scenario, in the measurement window only: QPS, payload MB/s (10^6 bytes, one
 direction), latency p50/p99/p99.9 of each call as its client task sees it, CPU seconds per
@@ -86,6 +88,7 @@ IMPLS = {
     "d": "raw ceiling",
     "e": "raw + task/request",
     "f": "protocol floor",
+    "g": "aiobrpc, no method status",
 }
 DEFAULT_IMPLS = "a,b,c,d"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -119,7 +122,7 @@ async def serve_aiobrpc() -> None:
             cntl.response_attachment = cntl.request_attachment
             return echo_pb2.EchoResponse(message=request.message)
 
-    server = aiobrpc.Server(aiobrpc.ServerOptions())
+    server = aiobrpc.Server(aiobrpc.ServerOptions(method_status=os.environ.get("BENCH_METHOD_STATUS") != "0"))
     server.add_service(Echo())
     await server.start("127.0.0.1:0")
     print(f"PORT {server.port} {_fast.IMPLEMENTATION}", flush=True)
@@ -229,7 +232,7 @@ async def floor_client(port: int):
 
 
 CLIENTS = {"a": aiobrpc_client, "b": aiobrpc_client, "c": grpc_client, "d": raw_client, "e": raw_client,
-           "f": floor_client}
+           "f": floor_client, "g": aiobrpc_client}
 
 
 def _proc_stat(pid: int) -> list[bytes]:
@@ -400,6 +403,7 @@ def impl_env(impl: str, grpc_dir: str | None, keep_heap: bool = False) -> dict:
     env.pop("AIOBRPC_NO_EXTENSIONS", None)
     if impl == "b":
         env["AIOBRPC_NO_EXTENSIONS"] = "1"
+    env["BENCH_METHOD_STATUS"] = "0" if impl == "g" else "1"
     if grpc_dir:
         env["BENCH_GRPC_DIR"] = grpc_dir
     return env
@@ -464,8 +468,8 @@ def run_impl(impl: str, loop: str, args, grpc_dir: str | None) -> list[dict]:
                   flush=True)
         if client.wait() != 0:
             raise SystemExit(f"client {impl} failed with exit status {client.returncode}")
-        if impl in ("a", "b"):
-            want = "cython" if impl == "a" else "python"
+        if impl in ("a", "b", "g"):
+            want = "python" if impl == "b" else "cython"
             for row in rows:
                 if row["detail"] != want or server_detail != want:
                     raise SystemExit(f"{impl} ran {row['detail']}/{server_detail}, expected {want} "
@@ -531,7 +535,7 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
         if a is None:
             continue
         cells = [name]
-        for other in ("c", "d", "b", "e", "f"):
+        for other in ("c", "d", "b", "e", "f", "g"):
             o = _find(rows, loop, other, name)
             cells.append(_ratio(a["qps"], o["qps"] if o else None))
         d = _find(rows, loop, "d", name)
@@ -542,7 +546,7 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
 
 def ratios_table(rows: list[dict], loop: str, markdown: bool = False) -> str:
     head = ["scenario", "QPS (a)/(c) grpc", "QPS (a)/(d) raw", "QPS (a)/(b) pure", "QPS (a)/(e) raw+task",
-            "QPS (a)/(f) floor", "p50 (a)/(d)"]
+            "QPS (a)/(f) floor", "QPS (a)/(g) no status", "p50 (a)/(d)"]
     lines = [[c[0]] + [f"{x:.2f}x" if x is not None else "-" for x in c[1:]] for c in ratio_rows(rows, loop)]
     return _render(head, lines, markdown)
 
@@ -611,8 +615,9 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
     rows = result["rows"]
     loop = "uvloop" if "uvloop" in result["loops"] else result["loops"][0]
     impls = [i for i in IMPLS if any(r["impl"] == i and r["loop"] == loop for r in rows)]
-    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v", "f": "x"}
-    line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": (0, (5, 2, 1, 2, 1, 2)), "f": (0, (1, 1))}
+    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v", "f": "x", "g": "+"}
+    line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": (0, (5, 2, 1, 2, 1, 2)), "f": (0, (1, 1)),
+            "g": (0, (3, 1))}
     written = []
     stamp = f"{result['date'][:10]}, {loop}, 2-core VM"
 

@@ -201,9 +201,10 @@ def _refused(server, code: int, text: str, tag: str) -> HttpReply:
 
 async def _run(server, conn, entry, request, cntl: Controller) -> Any:
     """The handler's response; cntl failed with the error it raised or left."""
-    status = entry.status
+    status = entry.status if server.options.method_status else None
     server.concurrency += 1
-    status.concurrency += 1
+    if status is not None:
+        status.concurrency += 1
     conn.inflight += 1
     started = time.perf_counter_ns()
     response = None
@@ -225,8 +226,9 @@ async def _run(server, conn, entry, request, cntl: Controller) -> Any:
         log.error("handler %s failed", entry.full_name, exc_info=e)
         cntl.error_code, cntl.error_text = EINTERNAL, exception_text(e)
     finally:
-        status.concurrency -= 1
-        status.latency.record((time.perf_counter_ns() - started) // 1000, cntl.error_code != 0)
+        if status is not None:
+            status.concurrency -= 1
+            status.latency.record((time.perf_counter_ns() - started) // 1000, cntl.error_code != 0)
         server.concurrency -= 1
         if server.concurrency == 0 and server._idle is not None and not server._idle.done():
             server._idle.set_result(None)

@@ -311,8 +311,9 @@ class Server:
             self._tasks.add(task)
 
     async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
-        status = entry.status
-        status.concurrency += 1
+        status = entry.status if self.options.method_status else None
+        if status is not None:
+            status.concurrency += 1
         started = _now_ns()
         try:
             response = None
@@ -356,8 +357,9 @@ class Server:
                           conn.peer)
             conn.abort()
         finally:
-            status.concurrency -= 1
-            status.latency.record((_now_ns() - started) // 1000, cntl.error_code != 0)
+            if status is not None:
+                status.concurrency -= 1
+                status.latency.record((_now_ns() - started) // 1000, cntl.error_code != 0)
             if self._tasks:
                 self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1

@@ -183,3 +183,15 @@ def _tables(page: str) -> dict:
     p = P()
     p.feed(page)
     return p.tables
+
+
+async def test_without_method_status_calls_are_served_and_not_counted():
+    async with aiobrpc.Server(aiobrpc.ServerOptions(method_status=False)) as srv:
+        srv.add_service(InteropEcho())
+        await srv.start("127.0.0.1:0")
+        ch = aiobrpc.Channel(srv.address)
+        resp = await aiobrpc.Stub(ch, SERVICE).Echo(interop_pb2.EchoRequest(message="m"))
+        await ch.close()
+        assert resp.message == "m"
+        _, _, body = await get(srv, "/status?format=json")
+        assert json.loads(body)["services"][SVC]["Echo"]["count"] == 0
