@@ -266,6 +266,11 @@ class ServerOptions:
         has_builtin_services: Serve the builtin pages (/status, /vars, /brpc_metrics, /health,
             /version, /flags, /protobufs, /connections, /index) over HTTP on the server's port.
         version: What /version answers; default: the servicers' class names joined by "+".
+        max_user_fields: The most `user_fields` entries a request may carry; more is answered
+            with EREQUEST. At most 1024 (`_fast.MAX_USER_FIELDS`): past that the decoder stops
+            keeping them, so a frame of 100k tiny entries costs no more memory than 1025.
+        max_user_fields_bytes: The most bytes (keys and values) a request's `user_fields` may
+            hold; more is answered with EREQUEST. brpc has neither limit.
         method_status: Keep each method's figures (count, QPS, errors, latency percentiles,
             concurrency) for /status, /vars and /brpc_metrics; False spares about 0.4 us of
             CPU per call, and those pages then show no calls.
@@ -285,6 +290,8 @@ class ServerOptions:
     has_builtin_services: bool = True
     version: str = ""
     method_status: bool = True
+    max_user_fields: int = 1024
+    max_user_fields_bytes: int = 1 << 20
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -296,6 +303,10 @@ class ServerOptions:
             raise ValueError(f"first_frame_timeout_sec must be > 0, got {self.first_frame_timeout_sec}")
         if self.max_connections < 1 or self.handler_threads < 1:
             raise ValueError("max_connections and handler_threads must be >= 1")
+        if not _is_int(self.max_user_fields) or not 0 <= self.max_user_fields <= 1024:
+            raise ValueError(f"max_user_fields must be an int in 0..1024, got {self.max_user_fields!r}")
+        if not _is_int(self.max_user_fields_bytes) or self.max_user_fields_bytes < 0:
+            raise ValueError(f"max_user_fields_bytes must be an int >= 0, got {self.max_user_fields_bytes!r}")
 
 
 def _check_ms(name: str, v) -> None:

@@ -19,7 +19,7 @@ _EXPORTS = {
     "framing": ("FrameReader", "parse_header", "pack_header", "magic_prefix_ok", "split_payload",
                 "KIND_PRPC", "KIND_STRM", "DEFAULT_MAX_BODY_SIZE", "ATTACHMENT_PIN_RATIO"),
     "iobuf": ("IOBuf", "ReadBuffer", "byte_view", "HEADER_SIZE", "LargeBufferCache", "large_buffers"),
-    "meta": ("RpcMeta", "encode_meta", "decode_meta", "pack_head"),
+    "meta": ("RpcMeta", "encode_meta", "decode_meta", "pack_head", "MAX_USER_FIELDS"),
 }
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
                              FrameReader, magic_prefix_ok, pack_header, parse_header,
                              split_payload)
     from .iobuf_py import HEADER_SIZE, IOBuf, LargeBufferCache, ReadBuffer, byte_view, large_buffers
-    from .meta_py import RpcMeta, decode_meta, encode_meta, pack_head
+    from .meta_py import MAX_USER_FIELDS, RpcMeta, decode_meta, encode_meta, pack_head
 
 
 def _compiled():

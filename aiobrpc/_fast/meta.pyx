@@ -40,6 +40,11 @@ cdef enum:
     _NAME_SLOTS = 64  # power of two
     _NAME_MAX = 64
 
+# Entries of user_fields a decoded meta holds at most: one more says the frame had more (and
+# was refused); those after it are skipped unread (meta_py.py says why).
+MAX_USER_FIELDS = 1024
+cdef Py_ssize_t _MAX_USER_FIELDS = MAX_USER_FIELDS
+
 _FIELDS = (
     "has_request", "service_name", "method_name", "log_id", "trace_id", "span_id",
     "parent_span_id", "request_id", "timeout_ms",
@@ -698,7 +703,8 @@ cdef int _decode(RpcMeta m, const unsigned char* b, Py_ssize_t end) except -1:
                 s = _read_len(b, pos, end, &pos)
                 if m.user_fields is None:
                     m.user_fields = []
-                m.user_fields.append(_decode_entry(b, s, pos))
+                if len(m.user_fields) <= _MAX_USER_FIELDS:  # one past the limit shows it was passed
+                    m.user_fields.append(_decode_entry(b, s, pos))
                 continue
         elif wt == 0 and (3 <= field <= 5 or 10 <= field <= 11 or field == 13):
             pos = _varint(b, pos, end, &v)

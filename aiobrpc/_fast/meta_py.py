@@ -200,6 +200,12 @@ def pack_head(magic: bytes, meta: RpcMeta, payload_size: int) -> bytes:
 # ---------------------------------------------------------------------------------------------
 # decoding
 
+# Entries of user_fields a decoded meta holds at most: one more says the frame had more (and
+# was refused); those after it are skipped unread, so a frame of 100k tiny entries costs
+# no more Python objects than this many (brpc has no limit).
+MAX_USER_FIELDS = 1024
+
+
 def _bad(what: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"RpcMeta does not parse: {what}")
 
@@ -371,7 +377,8 @@ def decode_meta(buf) -> RpcMeta:
                 elif field == 9:
                     if m.user_fields is None:
                         m.user_fields = []
-                    m.user_fields.append(_decode_entry(buf, s, pos))
+                    if len(m.user_fields) <= MAX_USER_FIELDS:  # one past the limit shows it was passed
+                        m.user_fields.append(_decode_entry(buf, s, pos))
                 else:
                     m.checksum_value = bytes(buf[s:pos])
                 continue

@@ -643,5 +643,7 @@ def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size:
         raise RpcError(ERESPONSE, f"Fail to parse response: {e}") from None
     cntl.response_attachment = ev.attachment
     if meta.user_fields:
+        if len(meta.user_fields) > _fast.MAX_USER_FIELDS:
+            raise RpcError(ERESPONSE, f"the response carries more than {_fast.MAX_USER_FIELDS} user_fields")
         cntl.response_user_fields = dict(meta.user_fields)
     return response

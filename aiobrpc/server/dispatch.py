@@ -262,18 +262,39 @@ def auth_failure_response(request_meta, extra: str = "") -> list:
     return baidu_std.pack(meta, b"")
 
 
+def overcrowded_text(conn) -> str:
+    return (f"{conn.unwritten_bytes()} bytes of replies are waiting to be written to {conn.peer} "
+            f"(max_unwritten_bytes={conn.max_unwritten_bytes})")
+
+
 def admission_error(server, conn, ev):
     """The rejection a request gets before its handler is looked up, or None."""
     if server.stopping:
         return ELOGOFF, "Server is stopping"
     if not conn.writable():
-        return EOVERCROWDED, (f"{conn.unwritten_bytes()} bytes of replies are waiting to be written to "
-                              f"{conn.peer} (max_unwritten_bytes={conn.max_unwritten_bytes})")
+        return EOVERCROWDED, overcrowded_text(conn)
     limit = server.options.max_concurrency
     if limit and server.concurrency >= limit:
         return ELIMIT, f"Reached server's max_concurrency={limit}"
     if ev.error is not None:
         return ev.error.code, str(ev.error)
-    if not ev.meta.has_request:
+    meta = ev.meta
+    if not meta.has_request:
         return EREQUEST, "the request meta (RpcMeta.request) is missing"
+    if meta.user_fields:
+        return user_fields_error(server.options, meta.user_fields)
+    return None
+
+
+def user_fields_error(options, fields: list):
+    """EREQUEST naming the limit `fields` pass (max_user_fields, max_user_fields_bytes), or None."""
+    if len(fields) > options.max_user_fields:
+        return EREQUEST, (f"the request carries more than {options.max_user_fields} user_fields "
+                          f"(max_user_fields={options.max_user_fields})")
+    size = 0
+    for key, value in fields:
+        size += len(key) + len(value)
+    if size > options.max_user_fields_bytes:
+        return EREQUEST, (f"the request's user_fields hold {size} bytes "
+                          f"(max_user_fields_bytes={options.max_user_fields_bytes})")
     return None

@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 
-from ..errors import EFAILEDSOCKET, EINTERNAL, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
+from ..errors import EFAILEDSOCKET, EINTERNAL, EOVERCROWDED, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
 from ..options import ServerOptions
 from ..protocol import streaming
 from ..stream import streams_failed
@@ -24,8 +24,8 @@ from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
 from .inline import run_inline
-from .dispatch import (Registry, admission_error, error_response, exception_text, parse_request,
-                       server_controller, success_response)
+from .dispatch import (Registry, admission_error, error_response, exception_text, overcrowded_text,
+                       parse_request, server_controller, success_response)
 
 log = logging.getLogger(__name__)
 _new_task = asyncio.Task
@@ -343,6 +343,11 @@ class Server:
                 self.stats.count_close("close_connection")
                 conn.close()
                 return
+            if not conn.writable() and not cntl.error_code and cntl._stream_offer is None:
+                # Replies the peer does not read stay bounded: past max_unwritten_bytes a reply
+                # becomes a short EOVERCROWDED error (requests read together were all admitted
+                # before any reply was queued).
+                _set_failed(cntl, entry, EOVERCROWDED, overcrowded_text(conn))
             bufs = None if cntl.error_code else _success_reply(meta, entry, response, cntl)
             if bufs is None:
                 self.stats.failed_requests += 1

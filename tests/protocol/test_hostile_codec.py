@@ -383,3 +383,19 @@ def test_j6_response_bomb_capped_with_eresponse():
     with pytest.raises(RemoteProtocolError, match="max_decompressed_size") as ei:
         _decode({"compress_type": compress.GZIP}, bomb, cap=MIB, role=baidu_std.CLIENT)
     assert ei.value.code == ERESPONSE
+
+
+def test_b_user_fields_past_the_limit_are_skipped_unread():
+    """100k tiny user_fields: the meta keeps 1025 entries (one past the limit: the server
+    refuses the request by it), not 100k (which cost ~29 MiB of Python objects)."""
+    from aiobrpc import _fast
+    data = request(user_fields={f"k{i}": "v" for i in range(100_000)})
+    dec = server(max_body_size=4 * MIB)
+    dec.feed(data)
+    tracemalloc.start()
+    ev = dec.next_event()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(ev.meta.user_fields) == _fast.MAX_USER_FIELDS + 1 == 1025
+    assert all(k.startswith("k") and v == "v" for k, v in ev.meta.user_fields)  # the first ones on the wire
+    assert peak < 512 * 1024
