@@ -160,14 +160,14 @@ class LatencyRecorder:
 
 
 class MethodStatus:
-    """What a server keeps per method: its calls (`latency`), and requests running now."""
+    """What a server keeps per method: its calls (`latency`), requests running now, its limiter."""
 
-    __slots__ = ("latency", "concurrency", "max_concurrency")
+    __slots__ = ("latency", "concurrency", "limiter")
 
     def __init__(self) -> None:
         self.latency = LatencyRecorder()
         self.concurrency = 0
-        self.max_concurrency = 0  # 0: no per-method limit
+        self.limiter = None  # the method's concurrency limiter (server/limiters.py), if any
 
     def describe(self) -> dict:
         """The method's figures by brpc's names (count, qps, error, eps, latency, latency_50...)."""
@@ -178,8 +178,8 @@ class MethodStatus:
             d[f"latency_{p}"] = v
         d["max_latency"] = r.max_latency()
         d["concurrency"] = self.concurrency
-        if self.max_concurrency:
-            d["max_concurrency"] = self.max_concurrency
+        if self.limiter is not None:
+            d["max_concurrency"] = self.limiter.max_concurrency
         return d
 
 

@@ -266,6 +266,10 @@ class ServerOptions:
         has_builtin_services: Serve the builtin pages (/status, /vars, /brpc_metrics, /health,
             /version, /flags, /protobufs, /connections, /index) over HTTP on the server's port.
         version: What /version answers; default: the servicers' class names joined by "+".
+        method_max_concurrency: The concurrency limiter of every method (a method's own, set
+            with `Server.max_concurrency_of`, replaces it): 0 or "unlimited" (none), an int N,
+            "auto", "timeout", or {"timeout_ms": T, "max_concurrency": N}; past it a request
+            is answered with ELIMIT naming the method (docs/server.md).
         max_user_fields: The most `user_fields` entries a request may carry; more is answered
             with EREQUEST. At most 1024 (`_fast.MAX_USER_FIELDS`): past that the decoder stops
             keeping them, so a frame of 100k tiny entries costs no more memory than 1025.
@@ -290,6 +294,7 @@ class ServerOptions:
     has_builtin_services: bool = True
     version: str = ""
     method_status: bool = True
+    method_max_concurrency: Any = 0
     max_user_fields: int = 1024
     max_user_fields_bytes: int = 1 << 20
     extra: dict = field(default_factory=dict)
@@ -303,6 +308,8 @@ class ServerOptions:
             raise ValueError(f"first_frame_timeout_sec must be > 0, got {self.first_frame_timeout_sec}")
         if self.max_connections < 1 or self.handler_threads < 1:
             raise ValueError("max_connections and handler_threads must be >= 1")
+        from .server.limiters import make_limiter
+        make_limiter(self.method_max_concurrency)  # ValueError naming what is wrong
         if not _is_int(self.max_user_fields) or not 0 <= self.max_user_fields <= 1024:
             raise ValueError(f"max_user_fields must be an int in 0..1024, got {self.max_user_fields!r}")
         if not _is_int(self.max_user_fields_bytes) or self.max_user_fields_bytes < 0:

@@ -262,6 +262,12 @@ def auth_failure_response(request_meta, extra: str = "") -> list:
     return baidu_std.pack(meta, b"")
 
 
+def limit_error(entry) -> tuple[int, str]:
+    """ELIMIT from a method's limiter, in brpc's words."""
+    return ELIMIT, (f"Rejected by {entry.service_name}.{entry.method_name}'s ConcurrencyLimiter, "
+                    f"concurrency={entry.status.concurrency + 1}")
+
+
 def overcrowded_text(conn) -> str:
     return (f"{conn.unwritten_bytes()} bytes of replies are waiting to be written to {conn.peer} "
             f"(max_unwritten_bytes={conn.max_unwritten_bytes})")

@@ -25,7 +25,7 @@ from .. import _fast
 from ..controller import Controller
 from ..errors import (EINTERNAL, EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
                       ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
-from .dispatch import exception_text
+from .dispatch import exception_text, limit_error
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,9 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
     limit = server.options.max_concurrency
     if limit and server.concurrency >= limit:
         return _refused(server, ELIMIT, f"Reached server's max_concurrency={limit}", tag)
+    limiter = entry.status.limiter
+    if limiter is not None and not limiter.on_requested(entry.status.concurrency + 1):
+        return _refused(server, *limit_error(entry), tag)
     content_type = headers.get("content-type")
     try:
         if entry.request_class.DESCRIPTOR.fields:
@@ -201,7 +204,9 @@ def _refused(server, code: int, text: str, tag: str) -> HttpReply:
 
 async def _run(server, conn, entry, request, cntl: Controller) -> Any:
     """The handler's response; cntl failed with the error it raised or left."""
-    status = entry.status if server.options.method_status else None
+    status = entry.status
+    if not server.options.method_status and status.limiter is None:
+        status = None
     server.concurrency += 1
     if status is not None:
         status.concurrency += 1
@@ -228,7 +233,10 @@ async def _run(server, conn, entry, request, cntl: Controller) -> Any:
     finally:
         if status is not None:
             status.concurrency -= 1
-            status.latency.record((time.perf_counter_ns() - started) // 1000, cntl.error_code != 0)
+            us = (time.perf_counter_ns() - started) // 1000
+            status.latency.record(us, cntl.error_code != 0)
+            if status.limiter is not None:
+                status.limiter.on_responded(cntl.error_code, us)
         server.concurrency -= 1
         if server.concurrency == 0 and server._idle is not None and not server._idle.done():
             server._idle.set_result(None)

@@ -24,8 +24,9 @@ from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
 from .inline import run_inline
-from .dispatch import (Registry, admission_error, error_response, exception_text, overcrowded_text,
-                       parse_request, server_controller, success_response)
+from .dispatch import (Registry, admission_error, error_response, exception_text, limit_error,
+                       overcrowded_text, parse_request, server_controller, success_response)
+from .limiters import make_limiter
 
 log = logging.getLogger(__name__)
 _new_task = asyncio.Task
@@ -122,6 +123,21 @@ class Server:
         if self._listener is not None:
             raise RuntimeError("add services before start()")
         self.registry.add(servicer)
+        for entry in self.registry.services[servicer.SERVICE.full_name].values():
+            entry.status.limiter = make_limiter(self.options.method_max_concurrency)
+
+    def max_concurrency_of(self, method: str, setting) -> None:
+        """The concurrency limiter of `method` ("pkg.Service.Method", a method of a service
+        added), as brpc's MaxConcurrencyOf: 0 or "unlimited", an int N, "auto", "timeout",
+        or {"timeout_ms": T, "max_concurrency": N}. Before `start()`."""
+        if self._listener is not None:
+            raise RuntimeError("set limits before start()")
+        service, _, name = method.rpartition(".")
+        entry = self.registry.services.get(service, {}).get(name)
+        if entry is None:
+            known = [f"{s}.{m}" for s, ms in self.registry.services.items() for m in ms]
+            raise ValueError(f"no method {method!r} here; the methods are: {', '.join(known) or 'none'}")
+        entry.status.limiter = make_limiter(setting)
 
     @property
     def address(self) -> str:
@@ -279,6 +295,9 @@ class Server:
             if rejected is not None:
                 raise RpcError(*rejected)
             entry = self.registry.lookup(meta.service_name, meta.method_name)
+            limiter = entry.status.limiter
+            if limiter is not None and not limiter.on_requested(entry.status.concurrency + 1, meta.timeout_ms):
+                raise RpcError(*limit_error(entry))
             request = parse_request(entry, ev, self.options.max_decompressed_size)
         except Exception as e:
             if not isinstance(e, RpcError):  # a bug of ours: this request fails, the connection goes on
@@ -311,7 +330,9 @@ class Server:
             self._tasks.add(task)
 
     async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
-        status = entry.status if self.options.method_status else None
+        status = entry.status
+        if not self.options.method_status and status.limiter is None:
+            status = None
         if status is not None:
             status.concurrency += 1
         started = _now_ns()
@@ -364,7 +385,10 @@ class Server:
         finally:
             if status is not None:
                 status.concurrency -= 1
-                status.latency.record((_now_ns() - started) // 1000, cntl.error_code != 0)
+                us = (_now_ns() - started) // 1000
+                status.latency.record(us, cntl.error_code != 0)
+                if status.limiter is not None:
+                    status.limiter.on_responded(cntl.error_code, us)
             if self._tasks:
                 self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1
