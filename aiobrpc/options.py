@@ -265,6 +265,10 @@ class ServerOptions:
             connection's local address, as brpc.
         has_builtin_services: Serve the builtin pages (/status, /vars, /brpc_metrics, /health,
             /version, /flags, /protobufs, /connections, /index) over HTTP on the server's port.
+        internal_port: -1: the builtin pages are on the server's port. Otherwise they are
+            served only on this port (0: any free one, then read `Server.internal_port`), on
+            the server's host, and the server's port answers them 403 (EPERM): for servers
+            that untrusted clients reach. Both ports serve the methods.
         version: What /version answers; default: the servicers' class names joined by "+".
         method_max_concurrency: The concurrency limiter of every method (a method's own, set
             with `Server.max_concurrency_of`, replaces it): 0 or "unlimited" (none), an int N,
@@ -293,6 +297,7 @@ class ServerOptions:
     server_tag: str | None = None  # "[ip:port]" prefix of error texts; default: the local address
     has_builtin_services: bool = True
     version: str = ""
+    internal_port: int = -1
     method_status: bool = True
     method_max_concurrency: Any = 0
     max_user_fields: int = 1024
@@ -308,6 +313,8 @@ class ServerOptions:
             raise ValueError(f"first_frame_timeout_sec must be > 0, got {self.first_frame_timeout_sec}")
         if self.max_connections < 1 or self.handler_threads < 1:
             raise ValueError("max_connections and handler_threads must be >= 1")
+        if not _is_int(self.internal_port) or not -1 <= self.internal_port <= 65535:
+            raise ValueError(f"internal_port must be -1 (none) or a port in 0..65535, got {self.internal_port!r}")
         from .server.limiters import make_limiter
         make_limiter(self.method_max_concurrency)  # ValueError naming what is wrong
         if not _is_int(self.max_user_fields) or not 0 <= self.max_user_fields <= 1024:

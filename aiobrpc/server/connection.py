@@ -25,8 +25,9 @@ _MAX_QUEUED_BEFORE_VERDICT = 64
 
 
 class ServerConnection(FramedConnection):
-    def __init__(self, server) -> None:
+    def __init__(self, server, internal: bool = False) -> None:
         opts = server.options
+        self.internal = internal  # accepted on the internal port (options.internal_port)
         super().__init__(SERVER, opts.max_body_size, opts.max_unwritten_bytes)
         self.server = server
         self.credential: bytes | None = None

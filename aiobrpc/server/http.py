@@ -20,7 +20,8 @@ import h11
 
 from ..transport.tcp import RateLimitedLog
 from . import builtin
-from .http_rpc import HttpReply, call_over_http
+from ..errors import EPERM
+from .http_rpc import HttpReply, call_over_http, error_reply
 
 log = logging.getLogger(__name__)
 _reject_log = RateLimitedLog()
@@ -161,7 +162,11 @@ class HttpSession:
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         first, _, rest = path.strip("/").partition("/")
         first = first or "index"
-        if first in builtin.PAGES and self.server.options.has_builtin_services:
+        opts = self.server.options
+        if first in builtin.PAGES and opts.has_builtin_services:
+            if opts.internal_port >= 0 and not self.conn.internal:
+                tag = opts.server_tag or self.conn.local
+                return error_reply(EPERM, f"/{first} is served on the internal port only", tag)
             return builtin.serve_page(first, builtin.Request(self.server, rest, query, headers))
         if first in self.server.registry.services or first in self.server.registry._short:
             return await call_over_http(self.server, self.conn, path, headers, body)

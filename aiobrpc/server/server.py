@@ -116,6 +116,8 @@ class Server:
         self.port = 0
         self.host = ""
         self.started_at = 0.0  # time.monotonic() at start()
+        self.internal_port = 0  # where the builtin pages are, once started with options.internal_port >= 0
+        self._internal_listener: asyncio.AbstractServer | None = None
 
     def add_service(self, servicer: Servicer) -> None:
         """Serve the methods of `servicer` (a `Servicer` with its `SERVICE` set), before
@@ -164,6 +166,16 @@ class Server:
                                                   reuse_address=True)
         sockname = self._listener.sockets[0].getsockname()
         self.host, self.port = sockname[0], sockname[1]
+        if self.options.internal_port >= 0:
+            try:
+                self._internal_listener = await loop.create_server(
+                    lambda: ServerConnection(self, internal=True), host, self.options.internal_port,
+                    reuse_address=True)
+            except BaseException:
+                self._listener.close()
+                self._listener = None
+                raise
+            self.internal_port = self._internal_listener.sockets[0].getsockname()[1]
         self.started_at = time.monotonic()
         if self.options.idle_timeout_sec > 0:
             self._idle_checker = loop.create_task(self._close_idle_connections())
@@ -173,6 +185,8 @@ class Server:
         self.stopping = True
         if self._listener is not None:
             self._listener.close()
+        if self._internal_listener is not None:
+            self._internal_listener.close()
 
     async def join(self, timeout: float | None = None) -> None:
         """Wait for in-flight requests (up to `timeout` s, then cancel them) and close connections.
@@ -197,9 +211,10 @@ class Server:
         if not await self._connections_closed(grace):
             self._abort_connections(grace)
             await self._connections_closed(_CLOSE_GRACE_SEC)  # connection_lost comes a loop iteration later
-        if self._listener is not None:
-            await self._listener.wait_closed()  # from 3.12 it waits for every connection: all are closed now
-            self._listener = None
+        for listener in (self._listener, self._internal_listener):
+            if listener is not None:
+                await listener.wait_closed()  # from 3.12 it waits for every connection: all are closed now
+        self._listener = self._internal_listener = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None

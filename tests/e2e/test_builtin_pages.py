@@ -195,3 +195,29 @@ async def test_without_method_status_calls_are_served_and_not_counted():
         assert resp.message == "m"
         _, _, body = await get(srv, "/status?format=json")
         assert json.loads(body)["services"][SVC]["Echo"]["count"] == 0
+
+
+async def test_an_internal_port_keeps_the_pages_off_the_public_one():
+    async with aiobrpc.Server(aiobrpc.ServerOptions(internal_port=0)) as srv:
+        srv.add_service(InteropEcho())
+        await srv.start("127.0.0.1:0")
+        assert srv.internal_port not in (0, srv.port)
+
+        class Internal:
+            port = srv.internal_port
+
+        status, ctype, body = await get(srv, "/status")
+        assert (status, ctype) == (403, "text/plain") and "[E1]/status is served on the internal port only" in body
+        assert (await get(Internal, "/health")) == (200, "text/plain", "OK")
+        _, _, body = await get(Internal, "/connections?format=json")
+        assert [r["internal"] for r in json.loads(body)] == [True]
+        for port in (srv.port, srv.internal_port):  # the methods are on both
+            ch = aiobrpc.Channel(f"127.0.0.1:{port}")
+            assert (await aiobrpc.Stub(ch, SERVICE).Echo(interop_pb2.EchoRequest(message="m"))).message == "m"
+            await ch.close()
+    assert srv._internal_listener is None and not srv.connections
+
+
+def test_internal_port_is_checked():
+    with pytest.raises(ValueError, match="internal_port must be -1"):
+        aiobrpc.ServerOptions(internal_port=70000)
