@@ -221,3 +221,15 @@ async def test_an_internal_port_keeps_the_pages_off_the_public_one():
 def test_internal_port_is_checked():
     with pytest.raises(ValueError, match="internal_port must be -1"):
         aiobrpc.ServerOptions(internal_port=70000)
+
+
+async def test_a_prometheus_client_registry_collects_the_server(server):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from aiobrpc.server.prometheus import ServerCollector
+    registry = CollectorRegistry()
+    registry.register(ServerCollector(server))
+    text = generate_latest(registry).decode()
+    port = server.port
+    assert f"rpc_server_{port}_interop_echo_service_echo_count 20.0" in text
+    assert f'rpc_server_{port}_interop_echo_service_echo_latency{{quantile="0.99"}}' in text
