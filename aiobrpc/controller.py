@@ -154,6 +154,12 @@ class Controller:
     # at the server) only stores what differs: no __slots__, which would have to be filled
     # one by one in __init__ (about 1 us per call for 27 fields).
     log_id: int | None = None
+    #: int or None: brpc's trace ids (aiobrpc.tracing). Client: set trace_id to start a trace
+    #: with this call (otherwise the current span's trace is continued); after the call, the
+    #: ids it carried. Server: the ids the request carried (None when it was not traced).
+    trace_id: int | None = None
+    span_id: int | None = None
+    parent_span_id: int | None = None
     timeout_ms: int | None = None
     request_id: str | None = None
     max_retry: int | None = None

@@ -265,6 +265,9 @@ class ServerOptions:
             connection's local address, as brpc.
         has_builtin_services: Serve the builtin pages (/status, /vars, /brpc_metrics, /health,
             /version, /flags, /protobufs, /connections, /index) over HTTP on the server's port.
+        rpcz: Keep the last `rpcz_max_records` calls (method, peer, trace ids, latency, error)
+            for the /rpcz page, as brpc's -enable_rpcz.
+        rpcz_max_records: How many calls /rpcz keeps (the oldest leave first).
         internal_port: -1: the builtin pages are on the server's port. Otherwise they are
             served only on this port (0: any free one, then read `Server.internal_port`), on
             the server's host, and the server's port answers them 403 (EPERM): for servers
@@ -298,6 +301,8 @@ class ServerOptions:
     has_builtin_services: bool = True
     version: str = ""
     internal_port: int = -1
+    rpcz: bool = False
+    rpcz_max_records: int = 1000
     method_status: bool = True
     method_max_concurrency: Any = 0
     max_user_fields: int = 1024
@@ -313,6 +318,8 @@ class ServerOptions:
             raise ValueError(f"first_frame_timeout_sec must be > 0, got {self.first_frame_timeout_sec}")
         if self.max_connections < 1 or self.handler_threads < 1:
             raise ValueError("max_connections and handler_threads must be >= 1")
+        if not _is_int(self.rpcz_max_records) or self.rpcz_max_records < 1:
+            raise ValueError(f"rpcz_max_records must be an int >= 1, got {self.rpcz_max_records!r}")
         if not _is_int(self.internal_port) or not -1 <= self.internal_port <= 65535:
             raise ValueError(f"internal_port must be -1 (none) or a port in 0..65535, got {self.internal_port!r}")
         from .server.limiters import make_limiter

@@ -30,6 +30,8 @@ from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMI
                       EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, content, streaming
 from ..stream import connect_streams, streams_failed
+from ..tracing import current as _current_span
+from ..tracing import new_id as new_trace_id
 from .pool import SINGLE
 from .retry import NEVER_RETRIED, RetryPolicy, retry_allowed
 
@@ -239,6 +241,9 @@ class Call:
         meta.method_name = self.method_name
         if cntl.log_id is not None:
             meta.log_id = cntl.log_id
+        span = _current_span()
+        if span is not None or cntl.trace_id is not None:
+            _trace(meta, cntl, span)
         if cntl.request_id:
             meta.request_id = cntl.request_id
         if opts.deliver_timeout_ms and self.deadline is not None:
@@ -606,6 +611,20 @@ class Call:
         for n, (code, text) in enumerate(errors[1:], 1):
             parts.append(f" [R{n}][E{code}]{text}")
         return "".join(parts)
+
+
+def _trace(meta, cntl: Controller, span) -> None:
+    """The trace ids of a call made in `span` (or starting cntl.trace_id): one span id for
+    the call, whatever its attempts."""
+    if cntl.span_id is None:
+        if cntl.trace_id is None:
+            cntl.trace_id = span.trace_id
+            cntl.parent_span_id = span.span_id
+        cntl.span_id = new_trace_id()
+    meta.trace_id = cntl.trace_id
+    meta.span_id = cntl.span_id
+    if cntl.parent_span_id is not None:
+        meta.parent_span_id = cntl.parent_span_id
 
 
 def _offered_before(streams) -> bool:

@@ -19,7 +19,8 @@ from typing import Callable
 from ..metrics import PERCENTILES, underscored
 from .http_rpc import HttpReply, method_listing
 
-PAGES = ("index", "status", "vars", "brpc_metrics", "health", "version", "flags", "protobufs", "connections")
+PAGES = ("index", "status", "vars", "brpc_metrics", "health", "version", "flags", "protobufs", "connections",
+         "rpcz")
 _TEXT = "text/plain"
 _HTML = "text/html"
 
@@ -291,10 +292,38 @@ def _connections(req: Request) -> HttpReply:
     return _text_or_html(req, "connections", "\n".join(lines) + "\n")
 
 
+_RPCZ_FIELDS = ("time", "trace_id", "span_id", "parent_span_id", "method", "peer", "latency_us", "error_code",
+                "protocol")
+
+
+def _rpcz(req: Request) -> HttpReply:
+    server = req.server
+    if server.rpcz is None:
+        return _reply("rpcz is off: start the server with ServerOptions(rpcz=True)\n", status=404)
+    rows = [dict(zip(_RPCZ_FIELDS, r)) for r in reversed(server.rpcz)]  # newest first
+    want = req.query.get("trace_id")
+    if want:
+        try:
+            trace_id = int(want, 16)
+        except ValueError:
+            return _reply(f"trace_id must be hexadecimal, got {want!r}\n", status=400)
+        rows = [r for r in rows if r["trace_id"] == trace_id]
+    if req.wants_json:
+        return _json(rows)
+    lines = []
+    for r in rows:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) + f".{int(r['time'] % 1 * 1e6):06d}"
+        ids = ("-" if r["trace_id"] is None else
+               f"trace={r['trace_id']:016x} span={(r['span_id'] or 0):016x} parent={(r['parent_span_id'] or 0):016x}")
+        lines.append(f"{stamp} {r['protocol']} {r['method']} from {r['peer']} {r['latency_us']}us "
+                     f"E{r['error_code']} {ids}")
+    return _text_or_html(req, "rpcz", "\n".join(lines) + "\n")
+
+
 def server_now() -> float:
     return time.monotonic()
 
 
 _ROUTES: dict[str, Callable[[Request], HttpReply]] = {
     "index": _index, "status": _status, "vars": _vars, "brpc_metrics": _metrics, "health": _health,
-    "version": _version, "flags": _flags, "protobufs": _protobufs, "connections": _connections}
+    "version": _version, "flags": _flags, "protobufs": _protobufs, "connections": _connections, "rpcz": _rpcz}

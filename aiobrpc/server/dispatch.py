@@ -124,6 +124,10 @@ def server_controller(ev, conn, entry: MethodEntry) -> Controller:
     cntl = _new_controller(Controller)  # class defaults, no argument checks: fields set here
     if meta.log_id is not None:
         cntl.log_id = meta.log_id
+    if meta.trace_id is not None:
+        cntl.trace_id = meta.trace_id
+        cntl.span_id = meta.span_id
+        cntl.parent_span_id = meta.parent_span_id
     if meta.timeout_ms is not None:
         cntl.timeout_ms = meta.timeout_ms
     if meta.request_id is not None:

@@ -17,6 +17,7 @@ import sys
 import time
 
 from ..errors import EFAILEDSOCKET, EINTERNAL, EOVERCROWDED, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
+from .. import tracing
 from ..options import ServerOptions
 from ..protocol import streaming
 from ..stream import streams_failed
@@ -117,6 +118,10 @@ class Server:
         self.host = ""
         self.started_at = 0.0  # time.monotonic() at start()
         self.internal_port = 0  # where the builtin pages are, once started with options.internal_port >= 0
+        # The last calls for /rpcz (options.rpcz): (wall time, trace_id, span_id, parent_span_id,
+        # method, peer, latency_us, error_code, protocol)
+        self.rpcz: collections.deque | None = (
+            collections.deque(maxlen=options.rpcz_max_records) if options.rpcz else None)
         self._internal_listener: asyncio.AbstractServer | None = None
 
     def add_service(self, servicer: Servicer) -> None:
@@ -351,6 +356,13 @@ class Server:
         if status is not None:
             status.concurrency += 1
         started = _now_ns()
+        otel = None
+        if cntl.trace_id is not None:  # a traced request: its span is current while the handler runs
+            span = tracing.Span(cntl.trace_id, cntl.span_id or 0, cntl.parent_span_id)
+            tracing.enter(span)
+            if tracing.OTEL is not None:
+                otel = tracing.server_span(entry.full_name, span, conn.peer)
+                otel.__enter__()
         try:
             response = None
             try:
@@ -398,12 +410,18 @@ class Server:
                           conn.peer)
             conn.abort()
         finally:
-            if status is not None:
-                status.concurrency -= 1
+            if status is not None or self.rpcz is not None:
                 us = (_now_ns() - started) // 1000
-                status.latency.record(us, cntl.error_code != 0)
-                if status.limiter is not None:
-                    status.limiter.on_responded(cntl.error_code, us)
+                if status is not None:
+                    status.concurrency -= 1
+                    status.latency.record(us, cntl.error_code != 0)
+                    if status.limiter is not None:
+                        status.limiter.on_responded(cntl.error_code, us)
+                if self.rpcz is not None:
+                    self.rpcz.append((time.time(), cntl.trace_id, cntl.span_id, cntl.parent_span_id,
+                                      entry.full_name, conn.peer, us, cntl.error_code, "baidu_std"))
+            if otel is not None:
+                tracing.end_server_span(otel, cntl.error_code)
             if self._tasks:
                 self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1

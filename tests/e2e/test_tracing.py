@@ -1,0 +1,173 @@
+"""brpc's trace ids across a client -> server -> server chain, /rpcz, and OpenTelemetry spans."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+
+import pytest
+
+import aiobrpc
+from aiobrpc import tracing
+from aiobrpc._proto import echo_pb2, interop_pb2
+from tests.helpers.interop_server import SERVICE, InteropEcho
+
+ECHO = echo_pb2.DESCRIPTOR.services_by_name["EchoService"]
+
+
+class Front(aiobrpc.Servicer):
+    """example.EchoService whose handler calls the back server, recording what it saw."""
+
+    SERVICE = ECHO
+
+    def __init__(self, back: str) -> None:
+        self.back = back
+        self.seen: list = []
+
+    async def Echo(self, request, cntl):
+        self.seen.append((cntl.trace_id, cntl.span_id, cntl.parent_span_id))
+        ch = aiobrpc.Channel(self.back)
+        try:
+            inner = aiobrpc.Controller()
+            await aiobrpc.Stub(ch, SERVICE).Echo(interop_pb2.EchoRequest(message=request.message), inner)
+            self.seen.append((inner.trace_id, inner.span_id, inner.parent_span_id))
+        finally:
+            await ch.close()
+        return echo_pb2.EchoResponse(message=request.message)
+
+
+class Back(InteropEcho):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    async def Echo(self, request, cntl):
+        self.seen.append((cntl.trace_id, cntl.span_id, cntl.parent_span_id))
+        return await super().Echo(request, cntl)
+
+
+async def _chain():
+    back = aiobrpc.Server(aiobrpc.ServerOptions(rpcz=True))
+    back_svc = Back()
+    back.add_service(back_svc)
+    await back.start("127.0.0.1:0")
+    front = aiobrpc.Server(aiobrpc.ServerOptions(rpcz=True, rpcz_max_records=3))
+    front_svc = Front(back.address)
+    front.add_service(front_svc)
+    await front.start("127.0.0.1:0")
+    return back, back_svc, front, front_svc
+
+
+async def _stop(*servers) -> None:
+    for s in servers:
+        await s.stop()
+        await s.join(timeout=2)
+
+
+async def test_trace_ids_follow_the_calls_and_rpcz_lists_them():
+    back, back_svc, front, front_svc = await _chain()
+    ch = aiobrpc.Channel(front.address)
+    stub = aiobrpc.Stub(ch, ECHO)
+    with tracing.trace() as root:
+        cntl = aiobrpc.Controller()
+        await stub.Echo(echo_pb2.EchoRequest(message="traced"), cntl)
+    await stub.Echo(echo_pb2.EchoRequest(message="not traced"))
+    await ch.close()
+
+    assert (cntl.trace_id, cntl.parent_span_id) == (root.trace_id, root.span_id) and cntl.span_id
+    (front_seen, front_call), untraced = front_svc.seen[:2], front_svc.seen[2]
+    assert front_seen == (root.trace_id, cntl.span_id, root.span_id)  # the server saw the client's ids
+    assert front_call[0] == root.trace_id and front_call[2] == cntl.span_id  # its call is a child
+    assert back_svc.seen[0] == front_call
+    assert untraced == (None, None, None) and back_svc.seen[1] == (None, None, None)
+
+    rows = await _get_json(front.internal_port or front.port, f"/rpcz?trace_id={root.trace_id:x}&format=json")
+    assert [(r["method"], r["trace_id"], r["span_id"]) for r in rows] == [
+        ("example.EchoService/Echo", root.trace_id, cntl.span_id)]
+    rows = await _get_json(back.port, "/rpcz?format=json")
+    assert [r["trace_id"] for r in rows] == [None, root.trace_id]  # newest first
+    text = await _get(back.port, "/rpcz")
+    assert f"trace={root.trace_id:016x}" in text and "interop.EchoService/Echo" in text
+    await _stop(front, back)
+
+
+async def test_a_trace_id_set_on_one_call_starts_a_trace():
+    back, back_svc, front, front_svc = await _chain()
+    ch = aiobrpc.Channel(front.address)
+    cntl = aiobrpc.Controller()
+    cntl.trace_id = 0xABC
+    await aiobrpc.Stub(ch, ECHO).Echo(echo_pb2.EchoRequest(message="m"), cntl)
+    await ch.close()
+    assert front_svc.seen[0] == (0xABC, cntl.span_id, None)
+    assert back_svc.seen[0][0] == 0xABC and back_svc.seen[0][2] == cntl.span_id
+    await _stop(front, back)
+
+
+async def test_rpcz_is_off_by_default_and_bounded():
+    async with aiobrpc.Server() as srv:
+        srv.add_service(InteropEcho())
+        await srv.start("127.0.0.1:0")
+        assert "rpcz is off" in await _get(srv.port, "/rpcz")
+    back, back_svc, front, front_svc = await _chain()
+    ch = aiobrpc.Channel(front.address)
+    for i in range(5):
+        await aiobrpc.Stub(ch, ECHO).Echo(echo_pb2.EchoRequest(message=str(i)))
+    await ch.close()
+    assert len(front.rpcz) == 3  # rpcz_max_records
+    with pytest.raises(ValueError, match="trace_id must be an int"):
+        with tracing.trace(0):
+            pass
+    await _stop(front, back)
+
+
+async def test_opentelemetry_spans_carry_brpc_ids():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    back, back_svc, front, front_svc = await _chain()
+    original = tracing.OTEL.get_tracer
+    tracing.OTEL.get_tracer = lambda *a, **k: tracer  # the global provider can be set only once
+    try:
+        ch = aiobrpc.Channel(front.address)
+        with tracing.trace() as root:
+            cntl = aiobrpc.Controller()
+            await aiobrpc.Stub(ch, ECHO).Echo(echo_pb2.EchoRequest(message="m"), cntl)
+            fail = aiobrpc.Controller()
+            with pytest.raises(aiobrpc.RpcError):
+                await aiobrpc.Stub(aiobrpc.Channel(back.address), SERVICE).Echo(
+                    interop_pb2.EchoRequest(message="m", fail_code=1234), fail)
+        await ch.close()
+    finally:
+        tracing.OTEL.get_tracer = original
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    front_span = [s for s in exporter.get_finished_spans() if s.name == "example.EchoService/Echo"][0]
+    assert front_span.context.trace_id == root.trace_id
+    assert front_span.parent.span_id == cntl.span_id and front_span.parent.is_remote
+    assert front_span.attributes["brpc.span_id"] == cntl.span_id
+    back_spans = [s for s in exporter.get_finished_spans() if s.name == "interop.EchoService/Echo"]
+    assert len(back_spans) == 2 and all(s.context.trace_id == root.trace_id for s in back_spans)
+    failed = [s for s in back_spans if s.attributes.get("rpc.brpc.error_code") == 1234]
+    assert len(failed) == 1 and not failed[0].status.is_ok
+    assert "example.EchoService/Echo" in spans
+    await _stop(front, back)
+
+
+async def _get(port: int, path: str) -> str:
+    def go():
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            c.request("GET", path)
+            return c.getresponse().read().decode()
+        finally:
+            c.close()
+    return await asyncio.to_thread(go)
+
+
+async def _get_json(port: int, path: str):
+    return json.loads(await _get(port, path))
