@@ -14,9 +14,9 @@ from google.protobuf.message import EncodeError
 
 from .. import _fast
 from ..controller import Controller
-from ..metrics import MethodStatus
 from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EOVERCROWDED, EREQUEST, ERESPONSE,
                       RemoteProtocolError, RpcError)
+from ..metrics import MethodStatus
 from ..protocol import baidu_std, checksum, compress, content, streaming
 from ..stub import Servicer, message_class
 

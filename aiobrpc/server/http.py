@@ -42,6 +42,7 @@ class HttpSession:
         self.server = conn.server
         self.parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.request: h11.Request | None = None
+        self.request_headers: dict = {}
         self.body = bytearray()
         self.busy = False      # a request is being answered; the next waits
         self.finished = False  # closing: nothing more is read or answered
@@ -57,6 +58,9 @@ class HttpSession:
             self.parser.receive_data(data)
         except h11.RemoteProtocolError as e:  # data after the peer's end of stream
             self._reject(400, str(e))
+            return
+        if self.busy:  # reading was resumed by something else (backpressure): pause again
+            self._pause_reading()
             return
         self._next()
 
@@ -95,6 +99,8 @@ class HttpSession:
                 self.body += event.data
             elif isinstance(event, h11.EndOfMessage):
                 self.busy = True
+                # What a client pipelines meanwhile waits in the kernel, not in h11's buffer.
+                self._pause_reading()
                 request, body = self.request, bytes(self.body)
                 self.request, self.body = None, bytearray()
                 task = self.conn.loop.create_task(self._answer(request, body))
@@ -204,6 +210,12 @@ class HttpSession:
         self.busy = False
         self._arm_head_timer()
         self._next()
+        if not self.busy and not self.finished and self.conn.transport is not None and not self.conn.write_paused:
+            self.conn.transport.resume_reading()
+
+    def _pause_reading(self) -> None:
+        if self.conn.transport is not None:
+            self.conn.transport.pause_reading()
 
     def _reject(self, status: int, why: str) -> None:
         """Answer `status` with `why` and close: the bytes that follow cannot be trusted."""

@@ -16,8 +16,8 @@ import logging
 import sys
 import time
 
-from ..errors import EFAILEDSOCKET, EINTERNAL, EOVERCROWDED, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
 from .. import tracing
+from ..errors import EFAILEDSOCKET, EINTERNAL, EOVERCROWDED, EREQUEST, ERESPONSE, RemoteProtocolError, RpcError
 from ..options import ServerOptions
 from ..protocol import streaming
 from ..stream import streams_failed

@@ -277,3 +277,36 @@ async def test_traversal_paths_are_404_never_a_file(server, path):  # H11
     assert b"root:" not in body
     if not path.startswith("/vars"):
         assert status == 404
+
+
+async def test_pipelined_bytes_wait_in_the_kernel_while_a_request_is_answered(server):
+    """A client that pipelines megabytes behind a slow request: the server stops reading, so
+    its buffers stay bounded; everything is answered afterwards, in order."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    slow = b'{"message":"slow","sleep_ms":400}'
+    writer.write(b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(slow), slow))
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    body = b'{"message":"' + b"p" * 60_000 + b'"}'
+    one = b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    sender = asyncio.ensure_future(_send_all(writer, one, 100))  # 6 MB in all
+    await asyncio.sleep(0.3)
+    (conn,) = server.connections
+    buffered = len(conn.http.parser.trailing_data[0]) + conn.decoder.reader.rbuf.available()
+    assert buffered < 1 << 20, buffered
+    answered = 0
+    while answered < 101:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        got = await reader.readexactly(length)
+        assert head.startswith(b"HTTP/1.1 200") and (b"slow" in got) == (answered == 0)
+        answered += 1
+    await sender
+    writer.close()
+
+
+async def _send_all(writer, data: bytes, times: int) -> None:
+    for _ in range(times):
+        writer.write(data)
+        await writer.drain()

@@ -138,10 +138,10 @@ async def test_opentelemetry_spans_carry_brpc_ids():
         with tracing.trace() as root:
             cntl = aiobrpc.Controller()
             await aiobrpc.Stub(ch, ECHO).Echo(echo_pb2.EchoRequest(message="m"), cntl)
-            fail = aiobrpc.Controller()
+            back_ch = aiobrpc.Channel(back.address)
             with pytest.raises(aiobrpc.RpcError):
-                await aiobrpc.Stub(aiobrpc.Channel(back.address), SERVICE).Echo(
-                    interop_pb2.EchoRequest(message="m", fail_code=1234), fail)
+                await aiobrpc.Stub(back_ch, SERVICE).Echo(interop_pb2.EchoRequest(message="m", fail_code=1234))
+            await back_ch.close()
         await ch.close()
     finally:
         tracing.OTEL.get_tracer = original
