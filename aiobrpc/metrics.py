@@ -167,7 +167,7 @@ class MethodStatus:
     def __init__(self) -> None:
         self.latency = LatencyRecorder()
         self.concurrency = 0
-        self.limiter = None  # the method's concurrency limiter (server/limiters.py), if any
+        self.limiter = None  # the method's concurrency limiter (aiobrpc/limiters.py), if any
 
     def describe(self) -> dict:
         """The method's figures by brpc's names (count, qps, error, eps, latency, latency_50...)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .limiters import make_limiter
+
 CONNECTION_TYPES = ("single", "pooled", "short")
 
 
@@ -322,7 +324,6 @@ class ServerOptions:
             raise ValueError(f"rpcz_max_records must be an int >= 1, got {self.rpcz_max_records!r}")
         if not _is_int(self.internal_port) or not -1 <= self.internal_port <= 65535:
             raise ValueError(f"internal_port must be -1 (none) or a port in 0..65535, got {self.internal_port!r}")
-        from .server.limiters import make_limiter
         make_limiter(self.method_max_concurrency)  # ValueError naming what is wrong
         if not _is_int(self.max_user_fields) or not 0 <= self.max_user_fields <= 1024:
             raise ValueError(f"max_user_fields must be an int in 0..1024, got {self.max_user_fields!r}")

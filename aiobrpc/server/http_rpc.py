@@ -36,7 +36,7 @@ _INT64 = (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescript
 
 
 def http_status(code: int) -> int:
-    """The HTTP status brpc answers for error `code` (errors.md, ErrorCodeToStatusCode)."""
+    """The HTTP status brpc answers for error `code` (its ErrorCodeToStatusCode)."""
     return _STATUS.get(code, 500)
 
 

@@ -27,7 +27,7 @@ from .connection import ServerConnection
 from .inline import run_inline
 from .dispatch import (Registry, admission_error, error_response, exception_text, limit_error,
                        overcrowded_text, parse_request, server_controller, success_response)
-from .limiters import make_limiter
+from ..limiters import make_limiter
 
 log = logging.getLogger(__name__)
 _new_task = asyncio.Task

@@ -1,4 +1,4 @@
-"""The per-method concurrency limiters on a clock the test moves (brpc's rules, server.md §2)."""
+"""The per-method concurrency limiters on a clock the test moves (brpc's rules; docs/server.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from aiobrpc.errors import EINTERNAL, ELIMIT
-from aiobrpc.server import limiters as L
+from aiobrpc import limiters as L
 
 
 class Clock:

@@ -104,7 +104,7 @@ def test_method_status_reads_as_brpc_names_it():
     s = MethodStatus()
     assert list(s.describe()) == ["count", "qps", "error", "eps", "latency", "latency_50", "latency_90",
                                   "latency_99", "latency_999", "latency_9999", "max_latency", "concurrency"]
-    from aiobrpc.server.limiters import ConstantLimiter
+    from aiobrpc.limiters import ConstantLimiter
     s.limiter = ConstantLimiter(8)
     assert s.describe()["max_concurrency"] == 8
 

@@ -18,7 +18,7 @@ import random
 import time
 from abc import ABC, abstractmethod
 
-from ..errors import ELIMIT
+from .errors import ELIMIT
 
 SAMPLING_INTERVAL_US = 100       # at most one response sampled per 0.1 ms
 MIN_SAMPLE_COUNT = 100           # a window with fewer samples is discarded ...
@@ -129,7 +129,7 @@ class _Sampler(ABC):
 
 
 class AutoLimiter(_Sampler):
-    """brpc's "auto" limiter (server.md §2.3)."""
+    """brpc's "auto" limiter (docs/server.md, "Per-method concurrency limits")."""
 
     def __init__(self, clock=_now_us, rng: random.Random | None = None) -> None:
         super().__init__(clock)
@@ -189,7 +189,7 @@ class AutoLimiter(_Sampler):
 
 
 class TimeoutLimiter(_Sampler):
-    """brpc's "timeout" limiter (server.md §2.4): admit while the recent mean latency is
+    """brpc's "timeout" limiter: admit while the recent mean latency is
     below the request's timeout (or `timeout_ms`), at most `max_concurrency`."""
 
     def __init__(self, timeout_ms: int = TIMEOUT_DEFAULT_MS, max_concurrency: int = TIMEOUT_MAX_CONCURRENCY,
