@@ -333,6 +333,11 @@ class Server:
         cntl = server_controller(ev, conn, entry)
         if offer is not None:
             cntl._stream_offer = (conn, offer)
+        status = entry.status
+        if self.options.method_status or status.limiter is not None:
+            # counted when admitted, as the server's own concurrency: before 3.11 the handler
+            # starts a loop iteration later, after the other requests of the same read
+            status.concurrency += 1
         self.concurrency += 1
         conn.inflight += 1
         # A task per request that suspends, so a slow handler never delays the others; one
@@ -352,9 +357,7 @@ class Server:
     async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
         status = entry.status
         if not self.options.method_status and status.limiter is None:
-            status = None
-        if status is not None:
-            status.concurrency += 1
+            status = None  # not counted at admission either
         started = _now_ns()
         otel = None
         if cntl.trace_id is not None:  # a traced request: its span is current while the handler runs
