@@ -169,6 +169,18 @@ class MethodStatus:
         self.concurrency = 0
         self.limiter = None  # the method's concurrency limiter (aiobrpc/limiters.py), if any
 
+    def admits(self, timeout_ms: int | None = None) -> bool:
+        """Whether the method's limiter lets one more request in (True without a limiter)."""
+        limiter = self.limiter
+        return limiter is None or limiter.on_requested(self.concurrency + 1, timeout_ms)
+
+    def ended(self, us: int, error_code: int) -> None:
+        """A request counted in `concurrency` ended after `us` microseconds with `error_code`."""
+        self.concurrency -= 1
+        self.latency.record(us, error_code != 0)
+        if self.limiter is not None:
+            self.limiter.on_responded(error_code, us)
+
     def describe(self) -> dict:
         """The method's figures by brpc's names (count, qps, error, eps, latency, latency_50...)."""
         r = self.latency

@@ -280,10 +280,9 @@ def _describe(server, name: str) -> str | None:
 
 def _connections(req: Request) -> HttpReply:
     server = req.server
-    now = server_now()
     rows = [{"remote": c.peer, "local": c.local, "protocol": c.protocol or "detecting", "internal": c.internal,
              "inflight": c.inflight, "streams": len(c.streams) if c.streams else 0,
-             "unwritten_bytes": c.unwritten_bytes(), "age_s": round(now - c.opened_at, 3)}
+             "unwritten_bytes": c.unwritten_bytes(), "age_s": round(c.loop.time() - c.opened_at, 3)}
             for c in list(server.connections)]
     if req.wants_json:
         return _json(rows)
@@ -318,10 +317,6 @@ def _rpcz(req: Request) -> HttpReply:
         lines.append(f"{stamp} {r['protocol']} {r['method']} from {r['peer']} {r['latency_us']}us "
                      f"E{r['error_code']} {ids}")
     return _text_or_html(req, "rpcz", "\n".join(lines) + "\n")
-
-
-def server_now() -> float:
-    return time.monotonic()
 
 
 _ROUTES: dict[str, Callable[[Request], HttpReply]] = {

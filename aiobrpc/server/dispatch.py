@@ -266,6 +266,22 @@ def auth_failure_response(request_meta, extra: str = "") -> list:
     return baidu_std.pack(meta, b"")
 
 
+def set_failed(cntl, entry, code, text) -> None:
+    """cntl.set_failed(code, text); a code it rejects (0, as brpc's SetFailed) becomes EINTERNAL."""
+    try:
+        cntl.set_failed(code, text)
+    except Exception as e:
+        why = f"the handler's error RpcError({code!r}, {text!r}) is invalid: {exception_text(e)}"
+        log.error("%s: %s", entry.full_name, why)
+        cntl.error_code, cntl.error_text = EINTERNAL, why
+
+
+def handler_failed(cntl, entry, e: BaseException) -> None:
+    """A handler raised `e` (not an RpcError): logged, and the call fails with EINTERNAL."""
+    log.error("handler %s failed", entry.full_name, exc_info=e)
+    set_failed(cntl, entry, EINTERNAL, exception_text(e))
+
+
 def limit_error(entry) -> tuple[int, str]:
     """ELIMIT from a method's limiter, in brpc's words."""
     return ELIMIT, (f"Rejected by {entry.service_name}.{entry.method_name}'s ConcurrencyLimiter, "

@@ -225,10 +225,10 @@ class HttpSession:
         self.server.stats.count_close("bad_http")
         _reject_log(logging.WARNING, "closing HTTP connection from %s: %s (%d)", self.conn.peer, why, status)
         self.finished = True
-        reply = HttpReply(status, [("Content-Type", "text/plain")], f"{why}\n".encode())
-        head = (f"HTTP/1.1 {status} {_REASONS.get(status, b'').decode()}\r\nContent-Length: {len(reply.body)}\r\n"
+        body = f"{why}\n".encode()
+        head = (f"HTTP/1.1 {status} {_REASONS.get(status, b'').decode()}\r\nContent-Length: {len(body)}\r\n"
                 "Content-Type: text/plain\r\nConnection: close\r\n\r\n").encode()
-        self.conn.write([head + reply.body])  # by hand: the parser may be in an error state
+        self.conn.write([head + body])  # by hand: the parser may be in an error state
         self.conn.close()
 
     # -- slow headers ------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from .. import _fast
 from ..controller import Controller
-from ..errors import (EINTERNAL, EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
+from ..errors import (EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
                       ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
-from .dispatch import exception_text, limit_error
+from .dispatch import handler_failed, limit_error, set_failed
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,7 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
     limit = server.options.max_concurrency
     if limit and server.concurrency >= limit:
         return _refused(server, ELIMIT, f"Reached server's max_concurrency={limit}", tag)
-    limiter = entry.status.limiter
-    if limiter is not None and not limiter.on_requested(entry.status.concurrency + 1):
+    if not entry.status.admits():
         return _refused(server, *limit_error(entry), tag)
     content_type = headers.get("content-type")
     try:
@@ -224,19 +223,14 @@ async def _run(server, conn, entry, request, cntl: Controller) -> Any:
         if not cntl.error_code and not isinstance(response, entry.response_class):
             why = f"handler returned {type(response).__name__}, expected {entry.response_class.DESCRIPTOR.full_name}"
             log.error("%s: %s", entry.full_name, why)
-            cntl.error_code, cntl.error_text = ERESPONSE, why
+            set_failed(cntl, entry, ERESPONSE, why)
     except RpcError as e:
-        cntl.error_code, cntl.error_text = e.code, e.text
+        set_failed(cntl, entry, e.code, e.text)
     except Exception as e:  # noqa: BLE001 - the handler's bug: logged, answered as EINTERNAL
-        log.error("handler %s failed", entry.full_name, exc_info=e)
-        cntl.error_code, cntl.error_text = EINTERNAL, exception_text(e)
+        handler_failed(cntl, entry, e)
     finally:
         if status is not None:
-            status.concurrency -= 1
-            us = (time.perf_counter_ns() - started) // 1000
-            status.latency.record(us, cntl.error_code != 0)
-            if status.limiter is not None:
-                status.limiter.on_responded(cntl.error_code, us)
+            status.ended((time.perf_counter_ns() - started) // 1000, cntl.error_code)
         server.concurrency -= 1
         if server.concurrency == 0 and server._idle is not None and not server._idle.done():
             server._idle.set_result(None)

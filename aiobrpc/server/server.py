@@ -25,8 +25,8 @@ from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
 from .inline import run_inline
-from .dispatch import (Registry, admission_error, error_response, exception_text, limit_error,
-                       overcrowded_text, parse_request, server_controller, success_response)
+from .dispatch import (Registry, admission_error, error_response, exception_text, handler_failed, limit_error,
+                       overcrowded_text, parse_request, server_controller, set_failed, success_response)
 from ..limiters import make_limiter
 
 log = logging.getLogger(__name__)
@@ -315,8 +315,7 @@ class Server:
             if rejected is not None:
                 raise RpcError(*rejected)
             entry = self.registry.lookup(meta.service_name, meta.method_name)
-            limiter = entry.status.limiter
-            if limiter is not None and not limiter.on_requested(entry.status.concurrency + 1, meta.timeout_ms):
+            if not entry.status.admits(meta.timeout_ms):
                 raise RpcError(*limit_error(entry))
             request = parse_request(entry, ev, self.options.max_decompressed_size)
         except Exception as e:
@@ -338,13 +337,15 @@ class Server:
             # counted when admitted, as the server's own concurrency: before 3.11 the handler
             # starts a loop iteration later, after the other requests of the same read
             status.concurrency += 1
+        else:
+            status = None
         self.concurrency += 1
         conn.inflight += 1
         # A task per request that suspends, so a slow handler never delays the others; one
         # that finishes without suspending runs at once and costs no task nor loop iteration:
         # from 3.12 an eager task, before it run_inline (a task only from the first suspension).
         loop = conn.loop
-        coro = self._serve(conn, meta, entry, request, cntl)
+        coro = self._serve(conn, meta, entry, request, cntl, status)
         if _INLINE and _current_task(loop) is None:  # a task runs us when an async auth let the request in
             task = run_inline(coro, loop)
             if task is not None:
@@ -354,10 +355,8 @@ class Server:
         if not task.done():
             self._tasks.add(task)
 
-    async def _serve(self, conn: ServerConnection, meta, entry, request, cntl) -> None:
-        status = entry.status
-        if not self.options.method_status and status.limiter is None:
-            status = None  # not counted at admission either
+    async def _serve(self, conn: ServerConnection, meta, entry, request, cntl, status) -> None:
+        # status: the method's MethodStatus where _dispatch counted the request in it, else None
         started = _now_ns()
         otel = None
         if cntl.trace_id is not None:  # a traced request: its span is current while the handler runs
@@ -378,13 +377,13 @@ class Server:
                     while inspect.isawaitable(response):  # from a plain def, or a decorator's wrapper
                         response = await response
             except RpcError as e:
-                _set_failed(cntl, entry, e.code, e.text)
+                set_failed(cntl, entry, e.code, e.text)
             except asyncio.CancelledError as e:
                 if self._cancelling_requests:
                     raise
-                self._handler_failed(cntl, entry, e)
+                handler_failed(cntl, entry, e)
             except Exception as e:
-                self._handler_failed(cntl, entry, e)
+                handler_failed(cntl, entry, e)
             if conn.is_closed:
                 self.stats.dropped_replies += 1
                 if cntl._accepted_streams:
@@ -398,7 +397,7 @@ class Server:
                 # Replies the peer does not read stay bounded: past max_unwritten_bytes a reply
                 # becomes a short EOVERCROWDED error (requests read together were all admitted
                 # before any reply was queued).
-                _set_failed(cntl, entry, EOVERCROWDED, overcrowded_text(conn))
+                set_failed(cntl, entry, EOVERCROWDED, overcrowded_text(conn))
             bufs = None if cntl.error_code else _success_reply(meta, entry, response, cntl)
             if bufs is None:
                 self.stats.failed_requests += 1
@@ -416,10 +415,7 @@ class Server:
             if status is not None or self.rpcz is not None:
                 us = (_now_ns() - started) // 1000
                 if status is not None:
-                    status.concurrency -= 1
-                    status.latency.record(us, cntl.error_code != 0)
-                    if status.limiter is not None:
-                        status.limiter.on_responded(cntl.error_code, us)
+                    status.ended(us, cntl.error_code)
                 if self.rpcz is not None:
                     self.rpcz.append((time.time(), cntl.trace_id, cntl.span_id, cntl.parent_span_id,
                                       entry.full_name, conn.peer, us, cntl.error_code, "baidu_std"))
@@ -432,11 +428,6 @@ class Server:
                 self._idle.set_result(None)
             conn.request_done()
 
-    @staticmethod
-    def _handler_failed(cntl, entry, e: BaseException) -> None:
-        log.error("handler %s failed", entry.full_name, exc_info=e)
-        _set_failed(cntl, entry, EINTERNAL, exception_text(e))
-
     def _thread_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -448,16 +439,6 @@ class Server:
 # Each step turns what the handler left that cannot be sent into an error that can, named in
 # the reply and logged once: the caller always gets an answer.
 
-def _set_failed(cntl, entry, code, text) -> None:
-    """cntl.set_failed(code, text); a code it rejects (0, as brpc's SetFailed) becomes EINTERNAL."""
-    try:
-        cntl.set_failed(code, text)
-    except Exception as e:
-        why = f"the handler's error RpcError({code!r}, {text!r}) is invalid: {exception_text(e)}"
-        log.error("%s: %s", entry.full_name, why)
-        cntl.error_code, cntl.error_text = EINTERNAL, why
-
-
 def _success_reply(meta, entry, response, cntl) -> list | None:
     """The reply carrying `response`, or None with `cntl` failed by why it cannot be sent."""
     if not isinstance(response, entry.response_class):
@@ -468,7 +449,7 @@ def _success_reply(meta, entry, response, cntl) -> list | None:
         except RpcError as e:
             why = e.text
     log.error("%s: %s", entry.full_name, why)
-    _set_failed(cntl, entry, ERESPONSE, why)
+    set_failed(cntl, entry, ERESPONSE, why)
     return None
 
 
