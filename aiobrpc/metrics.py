@@ -143,6 +143,8 @@ class LatencyRecorder:
                 if v:
                     hist[i] += v
         total = sum(hist)
+        # A bucket's midpoint may lie above the largest latency seen: a percentile never exceeds it.
+        top = max((s.max for s in recent), default=0)
         out = {}
         for p in per:
             if not total:
@@ -154,7 +156,7 @@ class LatencyRecorder:
             for i, v in enumerate(hist):
                 seen += v
                 if seen >= rank:
-                    out[p] = _bucket_mid(i)
+                    out[p] = min(_bucket_mid(i), top)
                     break
         return out
 

@@ -61,6 +61,18 @@ def test_percentiles_are_within_a_sixteenth_of_the_truth():
         assert abs(got[p] - truth) <= truth / 16 + 1, (p, got[p], truth)
 
 
+def test_percentiles_never_exceed_the_largest_latency():
+    # 44 us falls in a bucket whose midpoint is above it: the percentile is the max, not the midpoint
+    clock = Clock()
+    r = LatencyRecorder(clock=clock)
+    for v in (40, 41, 44, 44):
+        r.record(v)
+    clock.t += 1
+    got = r.percentiles()
+    assert max(got.values()) <= r.max_latency() == 44
+    assert got[50] <= got[99] <= got[9999]
+
+
 def test_buckets_cover_every_latency_in_order():
     edges = [0, 1, 15, 16, 17, 31, 32, 1000, 10**6, 10**12, (1 << 63) - 1]
     idx = [_bucket(v) for v in edges]
