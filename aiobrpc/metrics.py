@@ -185,16 +185,43 @@ class MethodStatus:
 
     def describe(self) -> dict:
         """The method's figures by brpc's names (count, qps, error, eps, latency, latency_50...)."""
-        r = self.latency
-        d = {"count": r.count, "qps": round(r.qps(), 3), "error": r.errors, "eps": round(r.eps(), 3),
-             "latency": r.latency()}
-        for p, v in r.percentiles().items():
-            d[f"latency_{p}"] = v
-        d["max_latency"] = r.max_latency()
+        d = figures(self.latency)
         d["concurrency"] = self.concurrency
         if self.limiter is not None:
             d["max_concurrency"] = self.limiter.max_concurrency
         return d
+
+
+def figures(r: LatencyRecorder) -> dict:
+    """A recorder's figures by brpc's names: count, qps, error, eps, latency (the window's mean),
+    latency_50 .. latency_9999, max_latency (latencies in microseconds)."""
+    d = {"count": r.count, "qps": round(r.qps(), 3), "error": r.errors, "eps": round(r.eps(), 3),
+         "latency": r.latency()}
+    for p, v in r.percentiles().items():
+        d[f"latency_{p}"] = v
+    d["max_latency"] = r.max_latency()
+    return d
+
+
+_FOLDED = frozenset({"latency", "max_latency"} | {f"latency_{p}" for p in PERCENTILES})
+
+
+def prometheus_lines(base: str, figs: dict) -> list[str]:
+    """A method's `figs` (from `figures`, plus any other numbers) in Prometheus' text format: the
+    latencies as the summary `<base>_latency` (max_latency as quantile 1), every other figure
+    as the gauge `<base>_<name>`."""
+    m = f"{base}_latency"
+    out = [f"# HELP {m}", f"# TYPE {m} summary"]
+    for p in PERCENTILES:
+        q = p / 10 ** len(str(p))
+        out.append(f'{m}{{quantile="{q:g}"}} {figs[f"latency_{p}"]}')
+    out.append(f'{m}{{quantile="1"}} {figs["max_latency"]}')
+    out.append(f"{m}_sum {figs['latency'] * figs['count']}")
+    out.append(f"{m}_count {figs['count']}")
+    for k, v in figs.items():
+        if k not in _FOLDED:
+            out += [f"# HELP {base}_{k}", f"# TYPE {base}_{k} gauge", f"{base}_{k} {v}"]
+    return out
 
 
 def underscored(name: str) -> str:

@@ -65,6 +65,10 @@ class ChannelOptions:
             its methods) whose work must not be repeated: never retried once the request may
             have reached the server, and never given a backup request.
             `Controller.idempotent` overrides it per call.
+        method_status: Keep each method's figures (count, QPS, errors, latency percentiles,
+            retries, backup requests) for `Channel.status()` and the Prometheus collector
+            (`aiobrpc.client.prometheus.ChannelCollector`); False spares their recording, and
+            they show no calls.
         enable_circuit_breaker: Isolate a server whose recent calls mostly fail (brpc's two EMA
             windows); the health check revives it.
         circuit_breaker_options: Keyword arguments of the circuit breaker (windows, error
@@ -97,6 +101,7 @@ class ChannelOptions:
     # work must not be repeated: never retried once the request may have reached the server,
     # and never given a backup request. Controller.idempotent overrides per call.
     non_idempotent_methods: frozenset = frozenset()
+    method_status: bool = True
     enable_circuit_breaker: bool = False
     # CircuitBreaker keyword arguments (windows, error percents, isolation durations); brpc's
     # gflag defaults otherwise.

@@ -30,6 +30,9 @@ Implementations:
      any Python baidu_std could reach; not in the default set, ask for it with --only
   g  as (a), the server without per-method status (ServerOptions(method_status=False)): what
      the figures of /status, /vars and /brpc_metrics cost per call; ask for it with --only
+  h  as (a), the channel without per-method status (ChannelOptions(method_status=False)): what
+     the figures of Channel.status() cost per call; ask for it with --only (the ratios show
+     (a)/(h) of QPS and of client CPU per call)
 
 Measured per scenario, in the measurement window only: QPS, payload MB/s (10^6 bytes, one
 direction), latency p50/p99/p99.9 of each call as its client task sees it, CPU seconds per
@@ -89,6 +92,7 @@ IMPLS = {
     "e": "raw + task/request",
     "f": "protocol floor",
     "g": "aiobrpc, no method status",
+    "h": "aiobrpc, no client method status",
 }
 DEFAULT_IMPLS = "a,b,c,d"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -171,7 +175,9 @@ async def aiobrpc_client(port: int):
     from aiobrpc import _fast
     from aiobrpc._proto import echo_pb2
 
-    channel = aiobrpc.Channel(f"127.0.0.1:{port}", aiobrpc.ChannelOptions(timeout_ms=60000, max_retry=0))
+    options = aiobrpc.ChannelOptions(timeout_ms=60000, max_retry=0,
+                                     method_status=os.environ.get("BENCH_CLIENT_METHOD_STATUS") != "0")
+    channel = aiobrpc.Channel(f"127.0.0.1:{port}", options)
     echo = aiobrpc.Stub(channel, echo_pb2.DESCRIPTOR.services_by_name["EchoService"]).Echo
     Request, Controller, frombuffer, u8 = echo_pb2.EchoRequest, aiobrpc.Controller, np.frombuffer, np.uint8
 
@@ -232,7 +238,7 @@ async def floor_client(port: int):
 
 
 CLIENTS = {"a": aiobrpc_client, "b": aiobrpc_client, "c": grpc_client, "d": raw_client, "e": raw_client,
-           "f": floor_client, "g": aiobrpc_client}
+           "f": floor_client, "g": aiobrpc_client, "h": aiobrpc_client}
 
 
 def _proc_stat(pid: int) -> list[bytes]:
@@ -404,6 +410,7 @@ def impl_env(impl: str, grpc_dir: str | None, keep_heap: bool = False) -> dict:
     if impl == "b":
         env["AIOBRPC_NO_EXTENSIONS"] = "1"
     env["BENCH_METHOD_STATUS"] = "0" if impl == "g" else "1"
+    env["BENCH_CLIENT_METHOD_STATUS"] = "0" if impl == "h" else "1"
     if grpc_dir:
         env["BENCH_GRPC_DIR"] = grpc_dir
     return env
@@ -468,7 +475,7 @@ def run_impl(impl: str, loop: str, args, grpc_dir: str | None) -> list[dict]:
                   flush=True)
         if client.wait() != 0:
             raise SystemExit(f"client {impl} failed with exit status {client.returncode}")
-        if impl in ("a", "b", "g"):
+        if impl in ("a", "b", "g", "h"):
             want = "python" if impl == "b" else "cython"
             for row in rows:
                 if row["detail"] != want or server_detail != want:
@@ -535,9 +542,11 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
         if a is None:
             continue
         cells = [name]
-        for other in ("c", "d", "b", "e", "f", "g"):
+        for other in ("c", "d", "b", "e", "f", "g", "h"):
             o = _find(rows, loop, other, name)
             cells.append(_ratio(a["qps"], o["qps"] if o else None))
+        h = _find(rows, loop, "h", name)
+        cells.append(_ratio(a["client_cpu_us_per_call"], h["client_cpu_us_per_call"] if h else None))
         d = _find(rows, loop, "d", name)
         cells.append(_ratio(a["p50_us"], d["p50_us"] if d else None))
         out.append(cells)
@@ -546,7 +555,8 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
 
 def ratios_table(rows: list[dict], loop: str, markdown: bool = False) -> str:
     head = ["scenario", "QPS (a)/(c) grpc", "QPS (a)/(d) raw", "QPS (a)/(b) pure", "QPS (a)/(e) raw+task",
-            "QPS (a)/(f) floor", "QPS (a)/(g) no status", "p50 (a)/(d)"]
+            "QPS (a)/(f) floor", "QPS (a)/(g) no status", "QPS (a)/(h) no client status",
+            "client CPU/call (a)/(h)", "p50 (a)/(d)"]
     lines = [[c[0]] + [f"{x:.2f}x" if x is not None else "-" for x in c[1:]] for c in ratio_rows(rows, loop)]
     return _render(head, lines, markdown)
 
@@ -615,9 +625,9 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
     rows = result["rows"]
     loop = "uvloop" if "uvloop" in result["loops"] else result["loops"][0]
     impls = [i for i in IMPLS if any(r["impl"] == i and r["loop"] == loop for r in rows)]
-    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v", "f": "x", "g": "+"}
+    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v", "f": "x", "g": "+", "h": "*"}
     line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": (0, (5, 2, 1, 2, 1, 2)), "f": (0, (1, 1)),
-            "g": (0, (3, 1))}
+            "g": (0, (3, 1)), "h": (0, (3, 1, 1, 1))}
     written = []
     stamp = f"{result['date'][:10]}, {loop}, 2-core VM"
 

@@ -2,7 +2,8 @@
 
 A `Call` owns one future, the caller's, and completes it exactly once: with the response of
 the first attempt that succeeds, or with the error that ends the call (the deadline, a
-failure no retry may follow, cancellation). Attempts are issued synchronously when a
+failure no retry may follow, cancellation), and counts it then, once, in the channel's
+figures of its method (client/metrics.py). Attempts are issued synchronously when a
 connection is ready and from a connect task otherwise; every reply or connection failure
 comes back through `Attempt.on_response` / `Attempt.on_failed`, called by the connection
 from its protocol callback, so a whole call costs no task when its connection is up.
@@ -544,7 +545,7 @@ class Call:
             elif side.pool is not None:
                 cntl.remote_side = side.pool.address
         cntl.retried_count = self.retried
-        cntl.latency_us = (_now_ns() - self.start_ns) // 1000
+        latency_us = cntl.latency_us = (_now_ns() - self.start_ns) // 1000
         if err is not None:
             cntl.error_code = err.code
             cntl.error_text = err.text
@@ -558,6 +559,10 @@ class Call:
                 err = CallbackFailed("backup_request_policy.on_rpc_end", e).error
                 cntl.error_code = err.code
                 cntl.error_text = err.text
+        methods = self.channel._methods
+        if methods is not None:  # before the caller can read it
+            methods.ended(self.service_name, self.method_name, latency_us, err is not None, self.retried,
+                          cntl.has_backup_request)
         fut = self.fut
         if not fut.done():
             if err is None:

@@ -26,6 +26,7 @@ from .call import Call, CallbackFailed
 from .deadlines import TimerWheel
 from .connection import ClientStats
 from .lb import create_load_balancer
+from .metrics import MethodTable
 from .naming import ServerNode, create_naming_service, is_naming_url
 from .naming.list import ListNamingService
 from .pool import ServerPool, cancel_on_dead_loop
@@ -65,6 +66,10 @@ class Channel:
         address (str): The server ("host:port") or the naming-service URL.
         stats (ClientStats): Counters of what the channel did (retries, backups, timeouts,
             servers marked down and revived ...); `repr()` shows them all on one line.
+
+    Each method's calls are counted as the server counts them (count, QPS, errors, latency
+    percentiles), with their retries and backup requests: `status()` returns them, and
+    `aiobrpc.client.prometheus.ChannelCollector` exports them (docs/client_resilience.md).
     """
 
     def __init__(self, address: str, options: ChannelOptions | None = None, *,
@@ -75,6 +80,7 @@ class Channel:
             raise TypeError(f"options must be a ChannelOptions, got {type(options).__name__}")
         self.options = options
         self.stats = ClientStats()
+        self._methods = MethodTable() if options.method_status else None  # Call._complete records
         self.pools: dict[ServerNode, ServerPool] = {}
         self.lb = None
         self.naming = None
@@ -218,6 +224,23 @@ class Channel:
         """Open connections, over every server of the channel."""
         return sum(len(p.connections) for p in self.pools.values())
 
+    def status(self) -> dict[str, dict]:
+        """Each method's figures, by "package.Service/Method": count, qps, error, eps, latency,
+        latency_50 .. latency_9999, max_latency (the names of the server's /status; latencies in
+        microseconds, rates over the last 10 s), retries and backups (requests sent again, and
+        backup requests, by its calls). Past `aiobrpc.client.metrics.MAX_METHODS` (1024) methods,
+        the calls of new ones are counted under "other". Empty with
+        `ChannelOptions(method_status=False)`."""
+        return self._methods.describe() if self._methods is not None else {}
+
+    def _refused(self, service_name: str, method_name: str, cntl: Controller, code: int, text: str) -> RpcError:
+        """A call that ends before it starts (closed channel, a request that does not serialize):
+        it fails with (code, text), and is counted, as taking no time."""
+        cntl.error_code, cntl.error_text = code, text
+        if self._methods is not None:
+            self._methods.ended(service_name, method_name, 0, True, 0, False)
+        return RpcError(code, text)
+
     @property
     def _conn(self):
         """The single connection of a one-server channel (tests and tools), or None."""
@@ -277,16 +300,14 @@ class Channel:
             try:
                 self._move_to(loop)
             except RpcError as e:
-                cntl.error_code, cntl.error_text = e.code, e.text
-                raise
+                raise self._refused(service_name, method_name, cntl, e.code, e.text) from None
         cntl.service_name = service_name
         cntl.method_name = method_name
         try:
             ctype = cntl.request_content_type
             serialized = request.SerializeToString() if ctype == content.PB else content.serialize(request, ctype)
         except (EncodeError, ValueError, TypeError) as e:
-            cntl.error_code, cntl.error_text = EREQUEST, f"Fail to serialize request: {e}"
-            raise RpcError(EREQUEST, cntl.error_text) from None
+            raise self._refused(service_name, method_name, cntl, EREQUEST, f"Fail to serialize request: {e}") from None
         if self._closed:
             self._check_open(cntl)
         started = None
@@ -336,8 +357,8 @@ class Channel:
 
     def _check_open(self, cntl: Controller) -> None:
         if self._closed:
-            cntl.error_code, cntl.error_text = EHOSTDOWN, f"Channel to {self.address} is closed"
-            raise RpcError(EHOSTDOWN, cntl.error_text)
+            raise self._refused(cntl.service_name, cntl.method_name, cntl, EHOSTDOWN,
+                                f"Channel to {self.address} is closed")
 
     async def _wait_first_list(self, loop, cntl: Controller) -> None:
         """A dynamic naming service: start watching, and wait (bounded) for its first list."""

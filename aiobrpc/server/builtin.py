@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable
 
-from ..metrics import PERCENTILES, underscored
+from ..metrics import PERCENTILES, prometheus_lines, underscored
 from .http_rpc import HttpReply, method_listing
 
 PAGES = ("index", "status", "vars", "brpc_metrics", "health", "version", "flags", "protobufs", "connections",
@@ -203,21 +203,9 @@ def prometheus_text(server) -> str:
     """Every numeric variable as a Prometheus gauge; each method's latencies as a summary."""
     prefix = f"rpc_server_{server.port}"
     out: list[str] = []
-    folded = {"latency", "max_latency"} | {f"latency_{p}" for p in PERCENTILES}
     for svc, methods in method_figures(server).items():
         for name, figs in methods.items():
-            base = f"{prefix}_{underscored(svc + '.' + name)}"
-            m = f"{base}_latency"
-            out += [f"# HELP {m}", f"# TYPE {m} summary"]
-            for p in PERCENTILES:
-                q = p / 10 ** len(str(p))
-                out.append(f'{m}{{quantile="{q:g}"}} {figs[f"latency_{p}"]}')
-            out.append(f'{m}{{quantile="1"}} {figs["max_latency"]}')
-            out.append(f"{m}_sum {figs['latency'] * figs['count']}")
-            out.append(f"{m}_count {figs['count']}")
-            for k, v in figs.items():
-                if k not in folded:
-                    out += [f"# HELP {base}_{k}", f"# TYPE {base}_{k} gauge", f"{base}_{k} {v}"]
+            out += prometheus_lines(f"{prefix}_{underscored(svc + '.' + name)}", figs)
     method_vars = {f"{prefix}_{underscored(s + '.' + n)}" for s, ms in server.registry.services.items() for n in ms}
     for name, value in variables(server):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
