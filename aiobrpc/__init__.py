@@ -21,12 +21,13 @@ from .options import ChannelOptions, ServerOptions
 from .server.server import Server
 from .stream import Stream, StreamHandler
 from .stub import Servicer, Stub
+from .tls import ClientTlsOptions, ServerTlsOptions
 
 __all__ = [
-    "BackupRequestPolicy", "Channel", "ChannelOptions", "Controller", "FixedBackoffRetryPolicy",
+    "BackupRequestPolicy", "Channel", "ChannelOptions", "ClientTlsOptions", "Controller", "FixedBackoffRetryPolicy",
     "JitteredBackoffRetryPolicy", "LatencyQuantileBackupPolicy", "LocalProtocolError",
     "RateLimitedBackupPolicy", "RemoteProtocolError", "RetryPolicy", "RetryThrottle", "RpcError",
-    "Server", "ServerOptions", "Servicer", "Stream", "StreamHandler", "Stub", "errors", "event_loop_policy", "implementation",
+    "Server", "ServerOptions", "ServerTlsOptions", "Servicer", "Stream", "StreamHandler", "Stub", "errors", "event_loop_policy", "implementation",
 ]
 __version__ = "0.1.0"
 

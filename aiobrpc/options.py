@@ -9,10 +9,12 @@ it, and it uses none of them.
 
 from __future__ import annotations
 
+import ssl as ssl_module
 from dataclasses import dataclass, field
 from typing import Any
 
 from .limiters import make_limiter
+from .tls import ServerTlsOptions, client_context
 
 CONNECTION_TYPES = ("single", "pooled", "short")
 
@@ -79,6 +81,12 @@ class ChannelOptions:
         max_connection_pool_size: Idle pooled connections kept per server.
         pool_idle_timeout_s: Seconds an idle pooled connection is kept before it is closed
             (brpc's `-idle_timeout_second`).
+        ssl: TLS to every server: None or False (plaintext), True (the system's trusted CAs,
+            the server's name verified), a `ClientTlsOptions` (a CA file, a client certificate
+            for mutual TLS) or an `ssl.SSLContext` used as is. A failed handshake fails the
+            call with ESSL; a channel with TLS never falls back to plaintext.
+        ssl_handshake_timeout_ms: The limit of one TLS handshake (ESSL past it); the call's
+            deadline still applies.
     """
 
     timeout_ms: int = 500
@@ -110,9 +118,14 @@ class ChannelOptions:
     health_check_timeout_ms: int = 500
     max_connection_pool_size: int = 100  # idle pooled connections kept per server
     pool_idle_timeout_s: float = 30.0  # brpc's -idle_timeout_second for pooled connections
+    ssl: Any = None  # None/False, True, a tls.ClientTlsOptions or an ssl.SSLContext
+    ssl_handshake_timeout_ms: int = 5000
 
     def __post_init__(self) -> None:
         _check_ms("timeout_ms", self.timeout_ms)
+        if not _is_int(self.ssl_handshake_timeout_ms) or self.ssl_handshake_timeout_ms < 1:
+            raise ValueError(f"ssl_handshake_timeout_ms must be an int >= 1, got {self.ssl_handshake_timeout_ms!r}")
+        client_context(self.ssl)  # TypeError naming what is wrong; files are read when connecting
         _check_ms("connect_timeout_ms", self.connect_timeout_ms)
         _check_ms("backup_request_ms", self.backup_request_ms)
         _check_ms("health_check_timeout_ms", self.health_check_timeout_ms)
@@ -292,6 +305,14 @@ class ServerOptions:
         method_status: Keep each method's figures (count, QPS, errors, latency percentiles,
             concurrency) for /status, /vars and /brpc_metrics; False spares about 0.4 us of
             CPU per call, and those pages then show no calls.
+        ssl: TLS on the server's port(s): a `ServerTlsOptions` (certificate, key, and for
+            mutual TLS the CAs of client certificates) or an `ssl.SSLContext`. A connection
+            whose first bytes are a TLS handshake is served over TLS, and what it speaks
+            inside (baidu_std, HTTP) is detected again; others are served in plaintext
+            unless `force_ssl`. None: TLS connections are closed.
+        force_ssl: Close every connection that does not start with a TLS handshake.
+        ssl_handshake_timeout_sec: Close a TLS connection whose handshake has not completed
+            within this many seconds (asyncio's default would be 60).
         extra: Free-form settings kept with the options; aiobrpc reads none of them.
     """
 
@@ -314,9 +335,20 @@ class ServerOptions:
     method_max_concurrency: Any = 0
     max_user_fields: int = 1024
     max_user_fields_bytes: int = 1 << 20
+    ssl: Any = None  # a tls.ServerTlsOptions or an ssl.SSLContext
+    force_ssl: bool = False
+    ssl_handshake_timeout_sec: float = 5.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.ssl is not None and not isinstance(self.ssl, (ssl_module.SSLContext, ServerTlsOptions)):
+            raise TypeError(f"ssl must be None, a ServerTlsOptions or an ssl.SSLContext, got {type(self.ssl).__name__}")
+        if self.force_ssl and self.ssl is None:
+            raise ValueError("force_ssl=True needs ssl: the server's certificate and key")
+        if isinstance(self.ssl_handshake_timeout_sec, bool) or not isinstance(self.ssl_handshake_timeout_sec, (int, float)) \
+                or not self.ssl_handshake_timeout_sec > 0:
+            raise ValueError(f"ssl_handshake_timeout_sec must be a number of seconds > 0, "
+                             f"got {self.ssl_handshake_timeout_sec!r}")
         if not isinstance(self.max_concurrency, int) or self.max_concurrency < 0:
             raise ValueError(f"max_concurrency must be an int >= 0, got {self.max_concurrency!r}")
         for name in ("max_body_size", "max_decompressed_size", "max_unwritten_bytes"):

@@ -15,11 +15,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import weakref
 
 import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
+import aiobrpc
 from aiobrpc import _fast
 from tests.helpers.twins import PURE_RUN_ENV, pure_run_of_parent
 
@@ -98,3 +100,54 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on plain asyncio and on uvloop."""
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+# -- servers a failed test left running --------------------------------------------------------
+# A test that fails between a server's start() and its stop() leaves the server listening,
+# and uvloop's loop.close() then never returns: the suite would hang instead of reporting the
+# failure. Every server started in a test is remembered here; after a failed test those still
+# listening are stopped, on their own loop, before the test's fixtures (its event loop among
+# them) are torn down. Passing tests stop their servers themselves (fixtures may still check
+# theirs while torn down).
+_FAILED = pytest.StashKey[bool]()
+_started_servers: weakref.WeakSet = weakref.WeakSet()
+_server_start = aiobrpc.Server.start
+
+
+async def _remembered_start(self, *args, **kwargs):
+    await _server_start(self, *args, **kwargs)
+    _started_servers.add(self)
+
+
+aiobrpc.Server.start = _remembered_start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    if rep.failed:
+        item.stash[_FAILED] = True
+    return rep
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    servers = list(_started_servers)
+    _started_servers.clear()
+    if not item.stash.get(_FAILED, False):
+        return
+    for srv in servers:
+        listener = srv._listener
+        if listener is None or srv.stopping:
+            continue
+        loop = listener.get_loop()
+        if loop.is_closed() or loop.is_running():
+            continue
+
+        async def stop(srv=srv):
+            await srv.stop()
+            await srv.join(timeout=1)
+        try:
+            loop.run_until_complete(asyncio.wait_for(stop(), 5))
+        except Exception as e:  # the test's own failure is what is reported
+            print(f"stopping a server the test left running failed: {e!r}", file=sys.stderr)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 
-from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError, RpcError
+from ..errors import EEOF, EFAILEDSOCKET, ESSL, RemoteProtocolError, RpcError
 from ..protocol import streaming
 from ..protocol.baidu_std import CLIENT, Decoder
 from ..protocol.events import ResponseReceived, StreamFrameReceived
@@ -181,6 +182,8 @@ class ClientConnection(FramedConnection):
             err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc}")
         elif isinstance(exc, RpcError):
             err = exc
+        elif isinstance(exc, ssl.SSLError):  # e.g. TLS 1.3: the server refused our certificate after the handshake
+            err = RpcError(ESSL, f"TLS connection to {self.peer} failed: {exc.reason or exc}")
         else:
             err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc!r}")
         for attempt in pending.values():

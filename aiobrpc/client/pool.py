@@ -24,9 +24,10 @@ import logging
 import os
 import socket
 
-from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, EREQUEST, ERPCTIMEDOUT,
+from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, EREQUEST, ERPCTIMEDOUT, ESSL,
                       ETIMEDOUT, RpcError)
-from ..transport.connect import open_connection
+from ..tls import client_context_of
+from ..transport.connect import TlsHandshakeError, open_connection
 from .circuit_breaker import CircuitBreaker
 from .connection import ClientConnection
 
@@ -100,6 +101,18 @@ class ServerPool:
                                               f"{self.closed_why}") from None
             raise
 
+    def _tls(self, loop, deadline: float | None) -> tuple:
+        """open_connection's TLS arguments: (context, server name, handshake timeout) or ()."""
+        ctx = client_context_of(self.options)
+        if ctx is None:
+            return ()
+        opts = self.options
+        limit = opts.ssl_handshake_timeout_ms / 1000
+        if deadline is not None:  # the call's deadline bounds the handshake too (at least 1 ms)
+            limit = max(min(limit, deadline - loop.time()), 0.001)
+        name = getattr(opts.ssl, "server_hostname", None)
+        return ctx, name, limit
+
     async def _connect(self, loop, deadline: float | None, ctype: str) -> ClientConnection:
         opts = self.options
         timeout = None if opts.connect_timeout_ms < 0 else opts.connect_timeout_ms / 1000
@@ -111,7 +124,9 @@ class ServerPool:
         try:
             try:
                 _, conn = await open_connection(loop, lambda: self._new_connection(ctype), self.host, self.port,
-                                                timeout)
+                                                timeout, *self._tls(loop, deadline))
+            except TlsHandshakeError as e:
+                raise RpcError(ESSL, f"Fail to connect {self.address}: TLS handshake failed: {e}") from None
             except asyncio.TimeoutError:
                 if rpc_limited:
                     raise RpcError(ERPCTIMEDOUT, f"Reached timeout while connecting to {self.address}") from None

@@ -268,13 +268,14 @@ def _describe(server, name: str) -> str | None:
 
 def _connections(req: Request) -> HttpReply:
     server = req.server
-    rows = [{"remote": c.peer, "local": c.local, "protocol": c.protocol or "detecting", "internal": c.internal,
+    rows = [{"remote": c.peer, "local": c.local, "protocol": c.protocol or "detecting",
+             "ssl": c.tls is not None, "internal": c.internal,
              "inflight": c.inflight, "streams": len(c.streams) if c.streams else 0,
              "unwritten_bytes": c.unwritten_bytes(), "age_s": round(c.loop.time() - c.opened_at, 3)}
             for c in list(server.connections)]
     if req.wants_json:
         return _json(rows)
-    cols = ["remote", "local", "protocol", "internal", "inflight", "streams", "unwritten_bytes", "age_s"]
+    cols = ["remote", "local", "protocol", "ssl", "internal", "inflight", "streams", "unwritten_bytes", "age_s"]
     lines = [" | ".join(cols)] + [" | ".join(str(r[c]) for c in cols) for r in rows]
     return _text_or_html(req, "connections", "\n".join(lines) + "\n")
 

@@ -14,6 +14,7 @@ from ..transport.tcp import FramedConnection, RateLimitedLog
 from . import detect
 from .dispatch import attachment_destination, auth_failure_response
 from .http import HttpSession
+from .tls_layer import TlsLayer
 
 log = logging.getLogger(__name__)
 _auth_log = RateLimitedLog()
@@ -41,6 +42,7 @@ class ServerConnection(FramedConnection):
         self._first_frame_timer = None
         self.protocol: str | None = None  # named by the first bytes (detect.py)
         self.http: HttpSession | None = None
+        self.tls: TlsLayer | None = None  # set once the connection turned out to speak TLS
         if server.registry.places:
             self.receive_attachments_into(self._attachment_destination)
 
@@ -92,6 +94,16 @@ class ServerConnection(FramedConnection):
         proto = detect.detect(bytes(rbuf.peek(min(rbuf.available(), detect.LONGEST))))
         if proto is None:
             return
+        if proto == detect.TLS and self.tls is None and self.server.ssl_context is not None:
+            self._start_tls(bytes(rbuf.take(rbuf.available())))
+            return
+        if self.server.options.force_ssl and self.tls is None:
+            _detect_log(logging.WARNING, "closing connection from %s: it does not start with a TLS handshake "
+                        "and the server has force_ssl", self.peer)
+            self.server.stats.count_close("not_tls")
+            self.protocol = detect.UNKNOWN
+            self.abort()
+            return
         self.protocol = proto
         if proto == detect.HTTP:
             if self._first_frame_timer is not None:  # the HTTP session times the request head
@@ -102,8 +114,9 @@ class ServerConnection(FramedConnection):
             return
         if proto in (detect.TLS, detect.H2):
             self.protocol = detect.UNKNOWN
-            _detect_log(logging.WARNING, "closing connection from %s: it speaks %s, which this server does not "
-                        "serve", self.peer, "TLS" if proto == detect.TLS else "HTTP/2")
+            what = ("TLS inside TLS" if self.tls is not None else "TLS, which this server has no certificate for"
+                    ) if proto == detect.TLS else "HTTP/2, which this server does not serve"
+            _detect_log(logging.WARNING, "closing connection from %s: it speaks %s", self.peer, what)
             self.server.stats.count_close("unknown_protocol")
             self.abort()
             return
@@ -116,6 +129,19 @@ class ServerConnection(FramedConnection):
             self.batching_writes = False
         if self._out and not self._flush_scheduled:
             self._flush()
+
+    def _start_tls(self, first: bytes) -> None:
+        """Serve this connection over TLS: the TCP transport's protocol becomes a TlsLayer that
+        hands this connection plaintext, whose protocol is then detected again."""
+        self.tls = TlsLayer(self.transport, self.server.ssl_context, self, self.server.options.ssl_handshake_timeout_sec,
+                            on_failure=self._tls_failed)
+        self.transport = self.tls.transport
+        self._writelines_ok = True  # one encrypted write for the replies of a turn
+        self.tls.start(first)
+
+    def _tls_failed(self, reason: str) -> None:
+        self.server.stats.count_close("tls_handshake")
+        _detect_log(logging.WARNING, "closing connection from %s: TLS handshake failed: %s", self.peer, reason)
 
     def event_received(self, ev) -> None:
         if self.poisoned:

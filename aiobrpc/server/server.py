@@ -23,6 +23,7 @@ from ..protocol import streaming
 from ..stream import streams_failed
 from ..stub import Servicer
 from ..transport.tcp import RateLimitedLog, buffers_size
+from ..tls import server_context
 from .connection import ServerConnection
 from .inline import run_inline
 from .dispatch import (Registry, admission_error, error_response, exception_text, handler_failed, limit_error,
@@ -102,6 +103,7 @@ class Server:
         elif not isinstance(options, ServerOptions):
             raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
         self.options = options
+        self.ssl_context = server_context(options.ssl)  # files are read now: a bad one fails here
         self.registry = Registry()
         self.stats = ServerStats()
         self.connections: set[ServerConnection] = set()

@@ -15,22 +15,47 @@ import asyncio
 import errno
 import os
 import socket
+import ssl as ssl_module
+
+
+class TlsHandshakeError(Exception):
+    """The TLS handshake over a connected socket failed (the reason is the message)."""
 
 
 async def open_connection(loop: asyncio.AbstractEventLoop, protocol_factory, host: str, port: int,
-                          timeout: float | None):
+                          timeout: float | None, ssl: ssl_module.SSLContext | None = None,
+                          server_hostname: str | None = None, ssl_handshake_timeout: float | None = None):
     """`loop.create_connection(protocol_factory, host, port)` bounded by `timeout` seconds.
 
     Raises what create_connection raises (OSError, socket.gaierror, UnicodeError for a
-    malformed host name) and asyncio.TimeoutError once the time is spent.
+    malformed host name) and asyncio.TimeoutError once the time is spent. With `ssl`, the
+    TLS handshake follows within `ssl_handshake_timeout` seconds; its failure, whatever the
+    cause, raises TlsHandshakeError.
     """
     deadline = None if timeout is None else loop.time() + timeout
     sock = await connect_socket(loop, host, port, deadline)
     try:
-        return await loop.create_connection(protocol_factory, sock=sock)
+        if ssl is None:
+            return await loop.create_connection(protocol_factory, sock=sock)
+        try:
+            return await loop.create_connection(protocol_factory, sock=sock, ssl=ssl,
+                                                server_hostname=server_hostname or host,
+                                                ssl_handshake_timeout=ssl_handshake_timeout)
+        except (ssl_module.SSLError, ssl_module.CertificateError, OSError, EOFError, asyncio.TimeoutError) as e:
+            raise TlsHandshakeError(_tls_reason(e, ssl_handshake_timeout)) from None
     except BaseException:
         sock.close()
         raise
+
+
+def _tls_reason(e: BaseException, timeout: float | None) -> str:
+    if isinstance(e, ssl_module.SSLCertVerificationError):
+        return f"certificate verify failed: {e.verify_message}"
+    if isinstance(e, ssl_module.SSLError):
+        return e.reason or str(e)
+    if isinstance(e, asyncio.TimeoutError) or "longer than" in str(e):  # asyncio's handshake timeout
+        return f"no handshake within {timeout} s"
+    return f"the connection failed during the handshake: {type(e).__name__} {e}".rstrip()
 
 
 async def connect_socket(loop: asyncio.AbstractEventLoop, host: str, port: int,
