@@ -119,15 +119,18 @@ def _not_implemented(name: str):
     return handler
 
 
+_U64 = (1 << 64) - 1
+
+
 def server_controller(ev, conn, entry: MethodEntry) -> Controller:
     meta = ev.meta
     cntl = _new_controller(Controller)  # class defaults, no argument checks: fields set here
     if meta.log_id is not None:
         cntl.log_id = meta.log_id
-    if meta.trace_id is not None:
-        cntl.trace_id = meta.trace_id
-        cntl.span_id = meta.span_id
-        cntl.parent_span_id = meta.parent_span_id
+    if meta.trace_id is not None:  # int64 on the wire, brpc's uint64 ids: unsigned again, as brpc prints them
+        cntl.trace_id = meta.trace_id & _U64
+        cntl.span_id = None if meta.span_id is None else meta.span_id & _U64
+        cntl.parent_span_id = None if meta.parent_span_id is None else meta.parent_span_id & _U64
     if meta.timeout_ms is not None:
         cntl.timeout_ms = meta.timeout_ms
     if meta.request_id is not None:

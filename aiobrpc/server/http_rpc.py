@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from .. import _fast
+from .. import _fast, tracing
 from ..controller import Controller
 from ..errors import (EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
                       ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
@@ -178,6 +178,11 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
     log_id = headers.get("log-id", "")
     if log_id.isdigit() and int(log_id) < 1 << 64:
         cntl.log_id = int(log_id)
+    ids = [headers.get(h, "") for h in ("x-bd-trace-id", "x-bd-span-id", "x-bd-parent-span-id")]
+    if _is_id(ids[0]):  # brpc's HTTP client sends its span's ids in these headers, in decimal
+        cntl.trace_id = int(ids[0])
+        cntl.span_id = int(ids[1]) if _is_id(ids[1]) else tracing.new_id()
+        cntl.parent_span_id = int(ids[2]) if _is_id(ids[2]) else None
     response = await _run(server, conn, entry, request, cntl)
     if cntl._close_reason is not None:
         return None  # the handler asked to close the connection instead of answering
@@ -196,6 +201,10 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
         return error_reply(ERESPONSE, f"Fail to write the response: {e}", tag)
 
 
+def _is_id(v: str) -> bool:
+    return v.isdigit() and 0 < int(v) < 1 << 64
+
+
 def _refused(server, code: int, text: str, tag: str) -> HttpReply:
     server.stats.failed_requests += 1
     return error_reply(code, text, tag)
@@ -212,6 +221,13 @@ async def _run(server, conn, entry, request, cntl: Controller) -> Any:
     conn.inflight += 1
     started = time.perf_counter_ns()
     response = None
+    otel = None
+    if cntl.trace_id is not None:  # a traced request: its span is current while the handler runs
+        span = tracing.Span(cntl.trace_id, cntl.span_id, cntl.parent_span_id)
+        tracing.enter(span)  # this request's own task: the span leaves with it
+        if tracing.OTEL is not None:
+            otel = tracing.server_span(entry.full_name, span, conn.peer)
+            otel.__enter__()
     try:
         if entry.is_async:
             response = await entry.handler(request, cntl)
@@ -229,8 +245,14 @@ async def _run(server, conn, entry, request, cntl: Controller) -> Any:
     except Exception as e:  # noqa: BLE001 - the handler's bug: logged, answered as EINTERNAL
         handler_failed(cntl, entry, e)
     finally:
+        us = (time.perf_counter_ns() - started) // 1000
         if status is not None:
-            status.ended((time.perf_counter_ns() - started) // 1000, cntl.error_code)
+            status.ended(us, cntl.error_code)
+        if server.rpcz is not None:
+            server.rpcz.append((time.time(), cntl.trace_id, cntl.span_id, cntl.parent_span_id,
+                                entry.full_name, conn.peer, us, cntl.error_code, "http"))
+        if otel is not None:
+            tracing.end_server_span(otel, cntl.error_code)
         server.concurrency -= 1
         if server.concurrency == 0 and server._idle is not None and not server._idle.done():
             server._idle.set_result(None)

@@ -201,6 +201,52 @@ async def test_i3_i4_frames_wait_for_the_verdict(ok, raises):
     await srv.join(timeout=2)
 
 
+class PasswordAuth:
+    def verify_credential(self, credential, peer):
+        return credential == b"pw"
+
+
+async def test_i11_guessing_credentials_costs_each_attempt_a_bounded_amount():
+    """Hundreds of short connections that fail authentication: each is answered ERPCAUTH and
+    closed, none is left open, and an authenticated client is served throughout."""
+    servicer = InteropEcho()
+    srv = aiobrpc.Server(aiobrpc.ServerOptions(auth=PasswordAuth()))
+    srv.add_service(servicer)
+    await srv.start("127.0.0.1:0")
+    good = frame(rpc_meta(correlation_id=7, service=SVC, authentication_data=b"pw"), Req(message="ok").SerializeToString())
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+
+    async def guess(i):
+        data = frame(rpc_meta(correlation_id=1, service=SVC, authentication_data=b"guess%d" % i),
+                     Req(message="x").SerializeToString())
+        got, closed = await raw_exchange(srv.port, data, read_timeout=5.0)
+        (ev,) = responses(got)
+        assert closed and ev.meta.error_code == errors.ERPCAUTH
+
+    async def probe():
+        writer.write(good)
+        dec = baidu_std.Decoder(baidu_std.CLIENT)
+        while True:
+            dec.feed(await asyncio.wait_for(reader.read(65536), 5))
+            evs = dec.events()
+            if evs:
+                assert evs[0].meta.error_code == 0
+                return
+    await probe()
+    for batch in range(10):
+        await asyncio.gather(*[guess(batch * 50 + i) for i in range(50)])
+        await probe()  # the authenticated connection is served between the waves
+    assert servicer.calls_served == 11
+    for _ in range(100):
+        if len(srv.connections) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert len(srv.connections) == 1  # every guessing connection is closed, none lingers
+    writer.close()
+    await srv.stop()
+    await srv.join(timeout=2)
+
+
 # --- client side: D1-D3, E2, E3, E7, J ---------------------------------------------------------
 
 def _reply(cid: int, payload: bytes = b"", **meta) -> bytes:

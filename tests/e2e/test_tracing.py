@@ -158,6 +158,43 @@ async def test_opentelemetry_spans_carry_brpc_ids():
     await _stop(front, back)
 
 
+async def test_an_http_caller_s_x_bd_headers_trace_the_call_onward():
+    """brpc's HTTP client sends its span as x-bd-trace-id / x-bd-span-id / x-bd-parent-span-id
+    (decimal): the handler runs in that trace and its own calls carry it on."""
+    back, back_svc, front, front_svc = await _chain()
+
+    def post():
+        c = http.client.HTTPConnection("127.0.0.1", front.port, timeout=5)
+        try:
+            c.request("POST", "/example.EchoService/Echo", body=b'{"message": "over http"}',
+                      headers={"Content-Type": "application/json", "x-bd-trace-id": str(2**63 + 5),
+                               "x-bd-span-id": "77", "x-bd-parent-span-id": "66"})
+            r = c.getresponse()
+            return r.status, r.read()
+        finally:
+            c.close()
+    status, body = await asyncio.to_thread(post)
+    assert status == 200 and b"over http" in body
+    assert front_svc.seen[0] == (2**63 + 5, 77, 66)
+    inner = front_svc.seen[1]
+    assert inner[0] == 2**63 + 5 and inner[2] == 77  # the handler's call is a child of the HTTP span
+    assert back_svc.seen[0] == inner
+    rows = await _get_json(front.port, "/rpcz?format=json")
+    assert rows[0]["trace_id"] == 2**63 + 5 and rows[0]["protocol"] == "http"
+    # malformed ids are ignored, not an error
+    def bad():
+        c = http.client.HTTPConnection("127.0.0.1", front.port, timeout=5)
+        try:
+            c.request("POST", "/example.EchoService/Echo", body=b'{"message": "m"}',
+                      headers={"Content-Type": "application/json", "x-bd-trace-id": "-1"})
+            return c.getresponse().status
+        finally:
+            c.close()
+    assert await asyncio.to_thread(bad) == 200
+    assert front_svc.seen[2][0] is None
+    await _stop(front, back)
+
+
 async def _get(port: int, path: str) -> str:
     def go():
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
