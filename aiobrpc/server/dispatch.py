@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 
 from google.protobuf.message import EncodeError
 
-from .. import _fast
+from .. import _fast, tracing
 from ..controller import Controller
 from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EOVERCROWDED, EREQUEST, ERESPONSE,
                       RemoteProtocolError, RpcError)
@@ -327,3 +328,17 @@ def user_fields_error(options, fields: list):
         return EREQUEST, (f"the request's user_fields hold {size} bytes "
                           f"(max_user_fields_bytes={options.max_user_fields_bytes})")
     return None
+
+
+def request_ended(server, conn, entry, cntl, status, started_ns: int, protocol: str, otel) -> None:
+    """What a request leaves behind when it ends, over either protocol: its time in its
+    method's figures (`status`, where the request was counted in it), a record on /rpcz,
+    and the end of its OpenTelemetry span."""
+    us = (time.perf_counter_ns() - started_ns) // 1000
+    if status is not None:
+        status.ended(us, cntl.error_code)
+    if server.rpcz is not None:
+        server.rpcz.append((time.time(), cntl.trace_id, cntl.span_id, cntl.parent_span_id,
+                            entry.full_name, conn.peer, us, cntl.error_code, protocol))
+    if otel is not None:
+        tracing.end_server_span(otel, cntl.error_code)

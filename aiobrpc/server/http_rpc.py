@@ -25,7 +25,7 @@ from .. import _fast, tracing
 from ..controller import Controller
 from ..errors import (EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
                       ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
-from .dispatch import handler_failed, limit_error, set_failed
+from .dispatch import handler_failed, limit_error, request_ended, set_failed
 
 log = logging.getLogger(__name__)
 
@@ -245,14 +245,7 @@ async def _run(server, conn, entry, request, cntl: Controller) -> Any:
     except Exception as e:  # noqa: BLE001 - the handler's bug: logged, answered as EINTERNAL
         handler_failed(cntl, entry, e)
     finally:
-        us = (time.perf_counter_ns() - started) // 1000
-        if status is not None:
-            status.ended(us, cntl.error_code)
-        if server.rpcz is not None:
-            server.rpcz.append((time.time(), cntl.trace_id, cntl.span_id, cntl.parent_span_id,
-                                entry.full_name, conn.peer, us, cntl.error_code, "http"))
-        if otel is not None:
-            tracing.end_server_span(otel, cntl.error_code)
+        request_ended(server, conn, entry, cntl, status, started, "http", otel)
         server.concurrency -= 1
         if server.concurrency == 0 and server._idle is not None and not server._idle.done():
             server._idle.set_result(None)

@@ -22,12 +22,13 @@ from ..options import ServerOptions
 from ..protocol import streaming
 from ..stream import streams_failed
 from ..stub import Servicer
-from ..transport.tcp import RateLimitedLog, buffers_size
 from ..tls import server_context
+from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
 from .inline import run_inline
 from .dispatch import (Registry, admission_error, error_response, exception_text, handler_failed, limit_error,
-                       overcrowded_text, parse_request, server_controller, set_failed, success_response)
+                       overcrowded_text, parse_request, request_ended, server_controller, set_failed,
+                       success_response)
 from ..limiters import make_limiter
 
 log = logging.getLogger(__name__)
@@ -414,15 +415,8 @@ class Server:
                           conn.peer)
             conn.abort()
         finally:
-            if status is not None or self.rpcz is not None:
-                us = (_now_ns() - started) // 1000
-                if status is not None:
-                    status.ended(us, cntl.error_code)
-                if self.rpcz is not None:
-                    self.rpcz.append((time.time(), cntl.trace_id, cntl.span_id, cntl.parent_span_id,
-                                      entry.full_name, conn.peer, us, cntl.error_code, "baidu_std"))
-            if otel is not None:
-                tracing.end_server_span(otel, cntl.error_code)
+            if status is not None or self.rpcz is not None or otel is not None:
+                request_ended(self, conn, entry, cntl, status, started, "baidu_std", otel)
             if self._tasks:
                 self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1

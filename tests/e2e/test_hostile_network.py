@@ -14,6 +14,7 @@ from aiobrpc._proto import interop_pb2
 from aiobrpc.protocol import baidu_std
 from tests.helpers.interop_server import SERVICE, InteropEcho
 from tests.helpers.peers import FakeServer, exchange_frames, raw_exchange, reset
+from tests.helpers.unread import flood_without_reading
 from tests.helpers.wire import field_ld, field_varint, frame, rpc_meta
 
 MIB = 1 << 20
@@ -380,26 +381,7 @@ async def test_server_stops_reading_when_replies_are_not_read(sleep_ms):
     srv.add_service(servicer)
     await srv.start("127.0.0.1:0")
     reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-    big = Req(message="b", response_attachment_size=256 * 1024, sleep_ms=sleep_ms).SerializeToString()
-    one = frame(rpc_meta(correlation_id=1, service=SVC), big)
-    for _ in range(8):
-        writer.write(one * 50)  # 400 requests for 256 KiB replies = 100 MiB if all were answered
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)
-    (conn,) = srv.connections
-    # bounded: max_unwritten_bytes, one reply that passed it, and short EOVERCROWDED errors
-    # for the rest (their requests may have been admitted together, from one read)
-    assert conn.unwritten_bytes() <= 4 * MIB + 256 * 1024 + 400 * 256
-    assert servicer.calls_served < 400 or sleep_ms
-    # once the client reads, everything is answered (served or refused), nothing lost
-    dec = baidu_std.Decoder(baidu_std.CLIENT, max_body_size=MIB)
-    answered = 0
-    while answered < 400:
-        dec.feed(await asyncio.wait_for(reader.read(1 << 20), 5))
-        for ev in dec.events():
-            assert ev.meta.error_code in (0, errors.EOVERCROWDED)
-            answered += 1
-    writer.close()
+    await flood_without_reading(srv, servicer, reader, writer, 4 * MIB, sleep_ms)
     await srv.stop()
     await srv.join(timeout=2)
 

@@ -22,6 +22,7 @@ from aiobrpc.server import connection
 from aiobrpc.tls import ClientTlsOptions, ServerTlsOptions
 from tests.helpers.interop_server import SERVICE, InteropEcho
 from tests.helpers.peers import raw_exchange
+from tests.helpers.unread import flood_without_reading
 from tests.helpers.wire import frame, rpc_meta
 
 MIB = 1 << 20
@@ -298,21 +299,5 @@ async def test_unread_replies_over_tls_stay_within_max_unwritten_bytes(pki):
     srv, servicer = await start(pki, max_unwritten_bytes=4 * MIB)
     ctx = ssl.create_default_context(cafile=pki["ca"])
     reader, writer = await asyncio.open_connection("127.0.0.1", srv.port, ssl=ctx)
-    big = Req(message="b", response_attachment_size=256 * 1024).SerializeToString()
-    one = frame(rpc_meta(correlation_id=1, service=SVC), big)
-    for _ in range(8):
-        writer.write(one * 50)  # 400 requests for 256 KiB replies = 100 MiB if all were answered
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)
-    (conn,) = srv.connections
-    assert conn.unwritten_bytes() <= 4 * MIB + 256 * 1024 + 400 * 256
-    assert servicer.calls_served < 400
-    dec = baidu_std.Decoder(baidu_std.CLIENT, max_body_size=MIB)
-    answered = 0
-    while answered < 400:
-        dec.feed(await asyncio.wait_for(reader.read(1 << 20), 5))
-        for ev in dec.events():
-            assert ev.meta.error_code in (0, errors.EOVERCROWDED)
-            answered += 1
-    writer.close()
+    await flood_without_reading(srv, servicer, reader, writer, 4 * MIB)
     await stop(srv)
