@@ -172,7 +172,14 @@ class FramedConnection(asyncio.BufferedProtocol):
         if self.is_closed and self.transport is None:
             return
         self.is_closed = True
-        self.transport = None
+        t, self.transport = self.transport, None
+        if exc is not None and t is not None and not t.is_closing():
+            # Python 3.10's TLS transport, lost to a TLS error, is left "open" (a
+            # ResourceWarning when collected); closing a lost transport does nothing else.
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - it is gone either way
+                pass
         self._out.clear()
         self._out_bytes = 0
         self.decoder.reader.rbuf.clear()
@@ -200,13 +207,19 @@ class FramedConnection(asyncio.BufferedProtocol):
     # -- writing -----------------------------------------------------------------------------
     def unwritten_bytes(self) -> int:
         t = self.transport
-        return self._out_bytes + (t.get_write_buffer_size() if t is not None else 0)
+        try:
+            return self._out_bytes + (t.get_write_buffer_size() if t is not None else 0)
+        except AttributeError:  # Python 3.10's TLS transport, once its connection is lost
+            return self._out_bytes
 
     def writable(self, nbytes: int = 0) -> bool:
         """Whether `nbytes` more may be queued without passing max_unwritten_bytes."""
         t = self.transport  # unwritten_bytes(), without its call: this runs for every message
-        return self._out_bytes + (t.get_write_buffer_size() if t is not None else 0) + nbytes <= \
-            self.max_unwritten_bytes
+        try:
+            return self._out_bytes + (t.get_write_buffer_size() if t is not None else 0) + nbytes <= \
+                self.max_unwritten_bytes
+        except AttributeError:  # Python 3.10's TLS transport, once its connection is lost
+            return self._out_bytes + nbytes <= self.max_unwritten_bytes
 
     def write(self, buffers: list, nbytes: int = -1, alone: bool = False, now: bool = False,
               early: bool = False) -> None:
