@@ -23,7 +23,7 @@ _WRITE_CHUNK = 256 * 1024
 
 class TlsLayer(asyncio.Protocol):
     def __init__(self, raw: asyncio.Transport, context: ssl.SSLContext, app, handshake_timeout: float,
-                 on_handshake=None, on_failure=None) -> None:
+                 on_failure=None) -> None:
         self.raw = raw
         self.app = app  # a BufferedProtocol: the connection carried
         self.incoming = ssl.MemoryBIO()
@@ -35,7 +35,6 @@ class TlsLayer(asyncio.Protocol):
         self.closing = False
         self.lost = False
         self.eof = False
-        self._on_handshake = on_handshake
         self._on_failure = on_failure  # called with the reason when the handshake fails
         self.loop = asyncio.get_running_loop()
         self._timer = self.loop.call_later(handshake_timeout, self._handshake_timed_out, handshake_timeout)
@@ -90,8 +89,6 @@ class TlsLayer(asyncio.Protocol):
         self.handshaken = True
         self._cancel_timer()
         self._flush()
-        if self._on_handshake is not None:
-            self._on_handshake(self)
         self._read()
 
     def _handshake_timed_out(self, timeout: float) -> None:
