@@ -7,15 +7,21 @@ trace with `with aiobrpc.tracing.trace():` (or set `cntl.trace_id` on one call).
 64-bit, as brpc's; `cntl.trace_id`, `cntl.span_id` and `cntl.parent_span_id` show them on both
 sides.
 
-When the `opentelemetry-api` package is installed, a server also opens an OpenTelemetry span
-for each traced request ("<Service>/<Method>", kind SERVER), whose trace id is brpc's trace id
-and whose parent is the caller's span of the call (the request's span_id): traces recorded by an OpenTelemetry SDK line up with
-brpc's.
+When the `opentelemetry-api` package is installed, each traced call opens OpenTelemetry spans
+named "<Service>/<Method>" whose trace id is brpc's trace id: on the client a CLIENT span for
+the whole call (its attempts, retries and backups included), whose span id becomes the call's
+brpc span id and whose parent is the span current where the call was made; on the server a
+SERVER span whose parent is that client span (the request's span_id). So traces recorded by an
+OpenTelemetry SDK line up with brpc's, and a C++ brpc peer's ids fit in. The root span of
+`trace()` (or the implied root of a call that sets `cntl.trace_id` alone) is not recorded:
+it is the parent the first calls name. Only brpc-traced calls open spans; an untraced call costs
+nothing here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from contextvars import ContextVar
 from typing import Iterator
@@ -23,6 +29,7 @@ from typing import Iterator
 _current: ContextVar[Span | None] = ContextVar("aiobrpc_span", default=None)
 current = _current.get  # the span current here, or None
 _rng = random.SystemRandom()
+logger = logging.getLogger("aiobrpc.tracing")
 
 
 class Span:
@@ -74,21 +81,72 @@ def _otel():
 OTEL = _otel()  # the opentelemetry.trace module, or None where it is not installed
 
 
+def start_client_span(name: str, cntl) -> object | None:
+    """Open the OpenTelemetry CLIENT span of a traced call and, where a tracer records it, make
+    its span id the call's (cntl.span_id). None where opentelemetry fails here: tracing never
+    fails a call."""
+    otel = OTEL
+    try:
+        parent = otel.NonRecordingSpan(otel.SpanContext(
+            trace_id=cntl.trace_id, span_id=cntl.parent_span_id or new_id(), is_remote=False,
+            trace_flags=otel.TraceFlags(otel.TraceFlags.SAMPLED)))
+        span = otel.get_tracer("aiobrpc").start_span(
+            name, context=otel.set_span_in_context(parent), kind=otel.SpanKind.CLIENT,
+            attributes={"rpc.system": "brpc", "rpc.method": name, "brpc.trace_id": cntl.trace_id})
+        if span.is_recording():
+            cntl.span_id = span.get_span_context().span_id
+            span.set_attribute("brpc.span_id", cntl.span_id)
+        return span
+    except Exception:
+        logger.exception("an OpenTelemetry client span could not be opened for %s", name)
+        return None
+
+
+def end_client_span(span, cntl) -> None:
+    """Close a call's CLIENT span with where it went and how it ended."""
+    try:
+        if cntl.remote_side:
+            span.set_attribute("net.peer.name", cntl.remote_side)
+        if cntl.retried_count:
+            span.set_attribute("rpc.brpc.retried_count", cntl.retried_count)
+        if cntl.error_code:
+            span.set_attribute("rpc.brpc.error_code", cntl.error_code)
+            span.set_status(OTEL.Status(OTEL.StatusCode.ERROR, f"E{cntl.error_code}: {cntl.error_text}"))
+        span.end()
+    except Exception:
+        logger.exception("an OpenTelemetry client span could not be closed")
+
+
+def start_server_span(name: str, span: Span, peer: str):
+    """Open (and make current) the OpenTelemetry SERVER span of a traced request: its trace id
+    brpc's, its parent the caller's span (the request's span_id). None where opentelemetry fails
+    here: tracing never fails a request."""
+    try:
+        cm = _server_span(name, span, peer)
+        cm.__enter__()
+        return cm
+    except Exception:
+        logger.exception("an OpenTelemetry server span could not be opened for %s", name)
+        return None
+
+
 def end_server_span(cm, error_code: int) -> None:
-    """Close a span of `server_span`, marked as an error when the call failed."""
-    if error_code:
-        span = OTEL.get_current_span()
-        span.set_attribute("rpc.brpc.error_code", error_code)
-        span.set_status(OTEL.Status(OTEL.StatusCode.ERROR, f"E{error_code}"))
-    cm.__exit__(None, None, None)
+    """Close a span of `start_server_span`, marked as an error when the request failed."""
+    try:
+        if error_code:
+            span = OTEL.get_current_span()
+            span.set_attribute("rpc.brpc.error_code", error_code)
+            span.set_status(OTEL.Status(OTEL.StatusCode.ERROR, f"E{error_code}"))
+        cm.__exit__(None, None, None)
+    except Exception:
+        logger.exception("an OpenTelemetry server span could not be closed")
 
 
 @contextlib.contextmanager
-def server_span(name: str, span: Span, peer: str) -> Iterator[object]:
-    """An OpenTelemetry SERVER span for a traced request (opentelemetry must be installed)."""
+def _server_span(name: str, span: Span, peer: str) -> Iterator[object]:
     otel = OTEL
     parent = otel.NonRecordingSpan(otel.SpanContext(
-        trace_id=span.trace_id, span_id=span.span_id, is_remote=True,
+        trace_id=span.trace_id, span_id=span.span_id or new_id(), is_remote=True,
         trace_flags=otel.TraceFlags(otel.TraceFlags.SAMPLED)))
     tracer = otel.get_tracer("aiobrpc")
     attributes = {"rpc.system": "brpc", "rpc.method": name, "net.peer.name": peer,

@@ -15,7 +15,7 @@ cdef class Attempt:
 cdef class Call:
     cdef public object channel, loop, cntl, service_name, method_name, serialized
     cdef public object response_class, fut, deadline, timeout_ms, max_retry, ctype
-    cdef public object excluded, timer, backup_timer, retry_handle, backup_ms, errors, streams
+    cdef public object excluded, timer, backup_timer, retry_handle, backup_ms, errors, streams, otel
     cdef public Attempt current, unfinished, placer
     cdef public bint idempotent, finished
     cdef public Py_ssize_t retried

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 
-from .. import _fast
+from .. import _fast, tracing
 from ..controller import AttemptInfo, Controller  # AttemptInfo: also importable from here, as before
 from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
                       EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
@@ -98,7 +98,7 @@ class Call:
                  "response_class", "fut", "deadline", "timeout_ms", "max_retry", "idempotent",
                  "ctype", "retried", "current", "unfinished", "excluded", "timer",
                  "backup_timer", "retry_handle", "backup_ms", "errors", "start_ns", "finished", "streams",
-                 "placer")
+                 "placer", "otel")
 
     def __init__(self, channel, loop, service_name: str, method_name: str, serialized,
                  response_class, cntl: Controller, started: float | None = None) -> None:
@@ -139,10 +139,14 @@ class Call:
         self.errors: list | None = None  # (code, text) of every failed attempt
         self.finished = False
         self.placer: Attempt | None = None  # the attempt whose reply goes to response_attachment_into
+        self.otel = None  # the call's OpenTelemetry CLIENT span, for a traced call where opentelemetry is installed
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
         loop = self.loop
+        span = _current_span()
+        if span is not None or self.cntl.trace_id is not None:
+            self.otel = _trace(self.cntl, span, self.service_name, self.method_name)
         self.channel._calls.add(self)  # until _complete: closing the channel ends it
         if self.deadline is not None:
             self.timer = self.channel._deadlines.add(self.deadline, self)  # no TimerHandle per call
@@ -242,9 +246,11 @@ class Call:
         meta.method_name = self.method_name
         if cntl.log_id is not None:
             meta.log_id = cntl.log_id
-        span = _current_span()
-        if span is not None or cntl.trace_id is not None:
-            _trace(meta, cntl, span)
+        if cntl.trace_id is not None:
+            meta.trace_id = cntl.trace_id
+            meta.span_id = cntl.span_id
+            if cntl.parent_span_id is not None:
+                meta.parent_span_id = cntl.parent_span_id
         if cntl.request_id:
             meta.request_id = cntl.request_id
         if opts.deliver_timeout_ms and self.deadline is not None:
@@ -559,6 +565,9 @@ class Call:
                 err = CallbackFailed("backup_request_policy.on_rpc_end", e).error
                 cntl.error_code = err.code
                 cntl.error_text = err.text
+        if self.otel is not None:
+            tracing.end_client_span(self.otel, cntl)
+            self.otel = None
         methods = self.channel._methods
         if methods is not None:  # before the caller can read it
             methods.ended(self.service_name, self.method_name, latency_us, err is not None, self.retried,
@@ -618,18 +627,20 @@ class Call:
         return "".join(parts)
 
 
-def _trace(meta, cntl: Controller, span) -> None:
-    """The trace ids of a call made in `span` (or starting cntl.trace_id): one span id for
-    the call, whatever its attempts."""
+def _trace(cntl: Controller, span, service_name: str, method_name: str):
+    """The trace ids of a call made in `span` (or starting cntl.trace_id), one span id for the
+    call whatever its attempts; and its OpenTelemetry CLIENT span, where opentelemetry is
+    installed, whose id becomes the call's span id so that the server's span names it as parent."""
+    otel = None
     if cntl.span_id is None:
         if cntl.trace_id is None:
             cntl.trace_id = span.trace_id
             cntl.parent_span_id = span.span_id
-        cntl.span_id = new_trace_id()
-    meta.trace_id = cntl.trace_id
-    meta.span_id = cntl.span_id
-    if cntl.parent_span_id is not None:
-        meta.parent_span_id = cntl.parent_span_id
+        if tracing.OTEL is not None:
+            otel = tracing.start_client_span(f"{service_name}/{method_name}", cntl)
+        if cntl.span_id is None:
+            cntl.span_id = new_trace_id()
+    return otel
 
 
 def _offered_before(streams) -> bool:

@@ -226,8 +226,7 @@ async def _run(server, conn, entry, request, cntl: Controller) -> Any:
         span = tracing.Span(cntl.trace_id, cntl.span_id, cntl.parent_span_id)
         tracing.enter(span)  # this request's own task: the span leaves with it
         if tracing.OTEL is not None:
-            otel = tracing.server_span(entry.full_name, span, conn.peer)
-            otel.__enter__()
+            otel = tracing.start_server_span(entry.full_name, span, conn.peer)
     try:
         if entry.is_async:
             response = await entry.handler(request, cntl)

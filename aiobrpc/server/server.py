@@ -366,8 +366,7 @@ class Server:
             span = tracing.Span(cntl.trace_id, cntl.span_id or 0, cntl.parent_span_id)
             tracing.enter(span)
             if tracing.OTEL is not None:
-                otel = tracing.server_span(entry.full_name, span, conn.peer)
-                otel.__enter__()
+                otel = tracing.start_server_span(entry.full_name, span, conn.peer)
         try:
             response = None
             try:

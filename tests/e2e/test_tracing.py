@@ -121,7 +121,9 @@ async def test_rpcz_is_off_by_default_and_bounded():
     await _stop(front, back)
 
 
-async def test_opentelemetry_spans_carry_brpc_ids():
+@pytest.fixture
+def otel_spans():
+    """Finished OpenTelemetry spans, recorded by the SDK's in-memory exporter."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -130,32 +132,103 @@ async def test_opentelemetry_spans_carry_brpc_ids():
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
-    back, back_svc, front, front_svc = await _chain()
     original = tracing.OTEL.get_tracer
     tracing.OTEL.get_tracer = lambda *a, **k: tracer  # the global provider can be set only once
     try:
-        ch = aiobrpc.Channel(front.address)
-        with tracing.trace() as root:
-            cntl = aiobrpc.Controller()
-            await aiobrpc.Stub(ch, ECHO).Echo(echo_pb2.EchoRequest(message="m"), cntl)
-            back_ch = aiobrpc.Channel(back.address)
-            with pytest.raises(aiobrpc.RpcError):
-                await aiobrpc.Stub(back_ch, SERVICE).Echo(interop_pb2.EchoRequest(message="m", fail_code=1234))
-            await back_ch.close()
-        await ch.close()
+        yield exporter.get_finished_spans
     finally:
         tracing.OTEL.get_tracer = original
-    spans = {s.name: s for s in exporter.get_finished_spans()}
-    front_span = [s for s in exporter.get_finished_spans() if s.name == "example.EchoService/Echo"][0]
-    assert front_span.context.trace_id == root.trace_id
+
+
+def _one(spans, name: str, kind: str):
+    found = [s for s in spans if s.name == name and s.kind.name == kind]
+    assert len(found) == 1, (name, kind, [(s.name, s.kind.name) for s in spans])
+    return found[0]
+
+
+async def test_opentelemetry_spans_carry_brpc_ids(otel_spans):
+    back, back_svc, front, front_svc = await _chain()
+    ch = aiobrpc.Channel(front.address)
+    back_ch = aiobrpc.Channel(back.address)
+    with tracing.trace() as root:
+        cntl = aiobrpc.Controller()
+        await aiobrpc.Stub(ch, ECHO).Echo(echo_pb2.EchoRequest(message="m"), cntl)
+        failing = aiobrpc.Controller()
+        with pytest.raises(aiobrpc.RpcError):
+            await aiobrpc.Stub(back_ch, SERVICE).Echo(interop_pb2.EchoRequest(message="m", fail_code=1234), failing)
+    await back_ch.close()
+    await ch.close()
+    spans = otel_spans()
+    assert all(s.context.trace_id == root.trace_id for s in spans)
+    # client -> front server -> its client -> back server: each span's parent is the one before it
+    first = _one(spans, "example.EchoService/Echo", "CLIENT")
+    assert first.parent.span_id == root.span_id  # trace()'s root: named as parent, not recorded
+    assert first.context.span_id == cntl.span_id and first.attributes["brpc.span_id"] == cntl.span_id
+    assert first.attributes["net.peer.name"] == front.address and first.status.is_ok
+    front_span = _one(spans, "example.EchoService/Echo", "SERVER")
     assert front_span.parent.span_id == cntl.span_id and front_span.parent.is_remote
     assert front_span.attributes["brpc.span_id"] == cntl.span_id
-    back_spans = [s for s in exporter.get_finished_spans() if s.name == "interop.EchoService/Echo"]
-    assert len(back_spans) == 2 and all(s.context.trace_id == root.trace_id for s in back_spans)
+    inner_trace, inner_span, inner_parent = front_svc.seen[1]
+    inner = [s for s in spans if s.name == "interop.EchoService/Echo" and s.kind.name == "CLIENT"
+             and s.context.span_id == inner_span]
+    assert len(inner) == 1 and inner[0].parent.span_id == inner_parent == cntl.span_id
+    back_spans = [s for s in spans if s.name == "interop.EchoService/Echo" and s.kind.name == "SERVER"]
+    assert sorted(s.parent.span_id for s in back_spans) == sorted([inner_span, failing.span_id])
+    failed_client = [s for s in spans if s.kind.name == "CLIENT" and s.context.span_id == failing.span_id][0]
+    assert failed_client.attributes["rpc.brpc.error_code"] == 1234 and not failed_client.status.is_ok
     failed = [s for s in back_spans if s.attributes.get("rpc.brpc.error_code") == 1234]
-    assert len(failed) == 1 and not failed[0].status.is_ok
-    assert "example.EchoService/Echo" in spans
+    assert len(failed) == 1 and not failed[0].status.is_ok and failed[0].parent.span_id == failing.span_id
+    # a span ends when its call does, after the server's
+    assert first.end_time >= front_span.end_time
     await _stop(front, back)
+
+
+async def test_one_client_span_for_a_call_and_its_retries(otel_spans):
+    """A call retried after lost connections is one CLIENT span, its retries counted; a call
+    to nowhere ends its span with the error."""
+    server = aiobrpc.Server()
+    server.add_service(InteropEcho())
+    await server.start("127.0.0.1:0")
+    flaky = aiobrpc.Channel(server.address, aiobrpc.ChannelOptions(max_retry=3))
+    with tracing.trace():
+        cntl = aiobrpc.Controller()
+        with pytest.raises(aiobrpc.RpcError):
+            await aiobrpc.Stub(flaky, SERVICE).Echo(interop_pb2.EchoRequest(message="x", close_connection=True), cntl)
+    await flaky.close()
+    address = server.address
+    await _stop(server)
+    gone = aiobrpc.Channel(address, aiobrpc.ChannelOptions(max_retry=0, connect_timeout_ms=300))
+    lost = aiobrpc.Controller()
+    lost.trace_id = 77
+    with pytest.raises(aiobrpc.RpcError):
+        await aiobrpc.Stub(gone, SERVICE).Echo(interop_pb2.EchoRequest(message="x"), lost)
+    await gone.close()
+    clients = [s for s in otel_spans() if s.kind.name == "CLIENT"]
+    assert len(clients) == 2
+    retried = [s for s in clients if s.context.span_id == cntl.span_id][0]
+    assert retried.attributes["rpc.brpc.retried_count"] == cntl.retried_count == 3
+    failed = [s for s in clients if s.context.span_id == lost.span_id][0]
+    assert failed.context.trace_id == 77 and failed.attributes["rpc.brpc.error_code"] == lost.error_code
+    assert not failed.status.is_ok and failed.parent is not None  # the implied, unrecorded root
+
+
+async def test_untraced_calls_open_no_span_and_a_broken_tracer_fails_no_call(otel_spans):
+    server = aiobrpc.Server()
+    server.add_service(InteropEcho())
+    await server.start("127.0.0.1:0")
+    ch = aiobrpc.Channel(server.address)
+    stub = aiobrpc.Stub(ch, SERVICE)
+    await stub.Echo(interop_pb2.EchoRequest(message="plain"))
+    assert otel_spans() == ()
+    def broken(*a, **k):
+        raise RuntimeError("tracer down")
+    tracing.OTEL.get_tracer = broken
+    with tracing.trace():
+        cntl = aiobrpc.Controller()
+        reply = await stub.Echo(interop_pb2.EchoRequest(message="traced"), cntl)
+    assert reply.message == "traced" and cntl.span_id  # brpc's ids still go on the wire
+    await ch.close()
+    await _stop(server)
 
 
 async def test_an_http_caller_s_x_bd_headers_trace_the_call_onward():
