@@ -6,8 +6,8 @@ a request head over MAX_HEAD_BYTES (431), a target over MAX_TARGET_BYTES (414), 
 the server's max_body_size (413: at once for a Content-Length, as soon as a chunked body passes
 it), a malformed request, both Content-Length and Transfer-Encoding, or conflicting
 Content-Lengths (400), a head not complete within first_frame_timeout_sec (408: slow headers).
-Stricter than h11 on those; as lenient as h11 elsewhere: an obs-fold line is joined to the one
-before it (RFC 7230 lets a server do that instead of refusing it).
+Stricter than h11 on those, and on line ends and folding (http_head.py): a head with a bare LF
+line end or an obs-fold line is refused with 400, as brpc's http_parser refuses them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import h11
 from ..transport.tcp import RateLimitedLog
 from . import builtin
 from ..errors import EPERM
+from .http_head import HeadScanner
 from .http_rpc import HttpReply, call_over_http, error_reply
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class HttpSession:
         self.busy = False      # a request is being answered; the next waits
         self.finished = False  # closing: nothing more is read or answered
         self.requests = 0
+        self.head_scanner = HeadScanner()
+        self.bad_head: str | None = None  # why the head being read is refused, once the scanner knows
         self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_timer()
 
@@ -54,6 +57,8 @@ class HttpSession:
     def data_received(self, data: bytes) -> None:
         if self.finished:
             return
+        if self.bad_head is None:
+            self.bad_head = self.head_scanner.feed(data)
         try:
             self.parser.receive_data(data)
         except h11.RemoteProtocolError as e:  # data after the peer's end of stream
@@ -77,6 +82,9 @@ class HttpSession:
     def _next(self) -> None:
         parser = self.parser
         while not self.busy and not self.finished:
+            if self.bad_head is not None:  # before h11 reads that head
+                self._reject(400, self.bad_head)
+                return
             try:
                 event = parser.next_event()
             except h11.RemoteProtocolError as e:
@@ -103,6 +111,7 @@ class HttpSession:
                 self._pause_reading()
                 request, body = self.request, bytes(self.body)
                 self.request, self.body = None, bytearray()
+                self.bad_head = self.head_scanner.start(parser.trailing_data[0])  # the next head's first bytes
                 task = self.conn.loop.create_task(self._answer(request, body))
                 self.server._track(task)
             elif isinstance(event, h11.ConnectionClosed):

@@ -7,6 +7,11 @@ anything else (`json`, none, `text/plain`) brpc's JSON (proto field names, bytes
 enums by name or number; unknown fields ignored). The response is written the same way as the
 request, with the request's Content-Type (none when the request had none). An error answers the
 status of its code, `x-bd-error-code: <code>` and the text `[host:port][E<code>]<text>`.
+
+Compression as brpc's: a body sent with `Content-Encoding: gzip` is inflated first (capped at
+max_decompressed_size; any other encoding but identity is refused with 400), and a reply whose
+handler set `cntl.response_compress_type = COMPRESS_GZIP` is gzipped when it is at least 512
+bytes (brpc's -http_body_compress_threshold) and the caller accepts gzip.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from .. import _fast, tracing
 from ..controller import Controller
+from ..protocol import compress
 from ..errors import (EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
                       ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
 from .dispatch import handler_failed, limit_error, request_ended, set_failed
@@ -164,6 +170,7 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
         return _refused(server, *limit_error(entry), tag)
     content_type = headers.get("content-type")
     try:
+        body = _inflated(body, headers.get("content-encoding"), server.options.max_decompressed_size)
         if entry.request_class.DESCRIPTOR.fields:
             request, attachment = parse_body(entry.request_class, body, content_type), b""
         else:  # a "pure HTTP" method: the body is left in the attachment
@@ -193,12 +200,48 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
     try:
         attachment = cntl.response_attachment
         if attachment is not None and (len(_fast.byte_view(attachment)) or not entry.response_class.DESCRIPTOR.fields):
-            return HttpReply(200, out_headers, _fast.byte_view(attachment).tobytes())
-        return HttpReply(200, out_headers, write_body(response, content_type))
+            body = _fast.byte_view(attachment).tobytes()
+        else:
+            body = write_body(response, content_type)
+        if (cntl.response_compress_type == compress.GZIP and len(body) >= GZIP_THRESHOLD
+                and accepts_gzip(headers.get("accept-encoding", ""))):
+            body = compress.compress(compress.GZIP, body)
+            out_headers.append(("Content-Encoding", "gzip"))
+        return HttpReply(200, out_headers, body)
     except Exception as e:  # noqa: BLE001 - a response that cannot be written is the server's error
         log.error("%s: the response cannot be written as %s: %r", entry.full_name, content_type, e)
         server.stats.failed_requests += 1
         return error_reply(ERESPONSE, f"Fail to write the response: {e}", tag)
+
+
+GZIP_THRESHOLD = 512  # brpc's -http_body_compress_threshold
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an Accept-Encoding header admits gzip (`gzip`, `x-gzip` or `*`, q above 0)."""
+    for item in accept_encoding.split(","):
+        coding, _, params = item.partition(";")
+        if coding.strip().lower() in ("gzip", "x-gzip", "*"):
+            q = params.strip().lower()
+            if q.startswith("q="):
+                try:
+                    return float(q[2:]) > 0
+                except ValueError:
+                    return False
+            return True
+    return False
+
+
+def _inflated(body: bytes, encoding: str | None, max_size: int) -> bytes:
+    """The body with its Content-Encoding undone; RpcError(EREQUEST) where it cannot be."""
+    if encoding is None or encoding.strip().lower() in ("", "identity"):
+        return body
+    if encoding.strip().lower() not in ("gzip", "x-gzip"):
+        raise RpcError(EREQUEST, f"Content-Encoding {encoding!r} is not supported (gzip or identity)")
+    try:
+        return bytes(compress.decompress(compress.GZIP, body, max_size))
+    except Exception as e:  # noqa: BLE001 - a corrupt or oversized body is the caller's error
+        raise RpcError(EREQUEST, f"Fail to gunzip the body: {e}") from None
 
 
 def _is_id(v: str) -> bool:

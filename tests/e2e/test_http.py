@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import http.client
 import json
 
@@ -139,6 +140,65 @@ async def test_canonical_json_and_text_format(server):
     assert status == 200 and b'message: "t"' in body
 
 
+async def test_a_gzipped_body_is_inflated_first(server):
+    body = gzip.compress(json.dumps({"message": "zipped", "payload": base64.b64encode(b"p" * 3000).decode()}).encode())
+    status, _, got = await fetch(server, "POST", f"/{SVC}/Echo", body, {"Content-Encoding": "gzip"})
+    assert status == 200 and json.loads(got)["message"] == "zipped" and json.loads(got)["payload_size"] == 3000
+    req = Req(message="bin-zipped").SerializeToString()
+    status, _, got = await fetch(server, "POST", f"/{SVC}/Echo", gzip.compress(req),
+                                 {"Content-Encoding": "GZIP", "Content-Type": "application/proto"})
+    assert status == 200 and Resp.FromString(got).message == "bin-zipped"
+
+
+@pytest.mark.parametrize("encoding,body,text", [
+    ("gzip", b"\x1f\x8bnot really gzip", "Fail to gunzip the body"),
+    ("gzip", gzip.compress(b'{"message":"cut"}')[:-6], "Fail to gunzip the body"),
+    ("br", b'{"message":"m"}', "Content-Encoding 'br' is not supported"),
+])
+async def test_a_body_that_cannot_be_inflated_is_400(server, encoding, body, text):
+    status, headers, got = await fetch(server, "POST", f"/{SVC}/Echo", body, {"Content-Encoding": encoding})
+    assert status == 400 and header(headers, "x-bd-error-code") == "1003" and text in got.decode()
+
+
+async def test_a_gzip_bomb_is_refused_within_max_decompressed_size():
+    srv = aiobrpc.Server(aiobrpc.ServerOptions(max_decompressed_size=MIB))
+    srv.add_service(InteropEcho())
+    await srv.start("127.0.0.1:0")
+    bomb = gzip.compress(b"{" + b" " * (8 * MIB) + b"}")  # 8 KiB on the wire
+    status, _, got = await fetch(srv, "POST", f"/{SVC}/Echo", bomb, {"Content-Encoding": "gzip"})
+    assert status == 400 and b"max_decompressed_size=1048576" in got
+    # the trailer's declared size can lie: inflating still stops at the cap
+    lying = bomb[:-4] + (100).to_bytes(4, "little")
+    status, _, got = await fetch(srv, "POST", f"/{SVC}/Echo", lying, {"Content-Encoding": "gzip"})
+    assert status == 400 and b"max_decompressed_size=1048576" in got
+    await srv.stop()
+    await srv.join(timeout=2)
+
+
+@pytest.mark.parametrize("message,accept,zipped", [
+    ("m" * 600, "gzip", True),
+    ("m" * 600, "deflate, gzip;q=0.5", True),
+    ("m" * 600, "*", True),
+    ("m" * 600, "gzip;q=0", False),
+    ("m" * 600, None, False),
+    ("m" * 100, "gzip", False),  # under brpc's 512-byte threshold
+])
+async def test_a_reply_is_gzipped_as_brpc_does(server, message, accept, zipped):
+    headers = {"Accept-Encoding": accept} if accept else {}
+    status, got_headers, got = await fetch(server, "POST", f"/{SVC}/Echo",
+                                           json.dumps({"message": message, "response_compress_type": 2}).encode(),
+                                           headers)
+    assert status == 200 and header(got_headers, "Content-Encoding") == ("gzip" if zipped else None)
+    assert json.loads(gzip.decompress(got) if zipped else got)["message"] == message
+    assert int(header(got_headers, "Content-Length")) == len(got)
+
+
+async def test_a_reply_is_not_gzipped_unless_the_handler_asks(server):
+    status, got_headers, got = await fetch(server, "POST", f"/{SVC}/Echo",
+                                           json.dumps({"message": "m" * 600}).encode(), {"Accept-Encoding": "gzip"})
+    assert status == 200 and header(got_headers, "Content-Encoding") is None and json.loads(got)["message"]
+
+
 @pytest.mark.parametrize("path,body,status,code,text", [
     (f"/{SVC}/Foo", b"", 404, 1002, f"Fail to find method on `/{SVC}/Foo'"),
     (f"/{SVC}", b"", 404, 1002, "rpc Echo (EchoRequest) returns (EchoResponse);"),
@@ -190,6 +250,10 @@ async def test_the_same_calls_are_counted_for_both_protocols(server):
     (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 10\r\n\r\nhello", 400),  # H4
     (b"GET /x HTTP/1.1\r\nHo\x00st: x\r\n\r\n", 400),  # H5 NUL in a name
     (b"GET /x HTTP/1.1\r\nHost: x\r\nBad Name: y\r\n\r\n", 400),  # H5 a space in a name
+    (b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding:\r\n chunked\r\n\r\n0\r\n\r\n", 400),  # H5 obs-fold on TE
+    (b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n\tmore\r\n\r\n", 400),  # H5 obs-fold by a tab
+    (b"GET /x HTTP/1.1\nHost: x\n\n", 400),  # H5 bare LF line ends
+    (b"GET /x HTTP/1.1\r\nHost: x\r\n\n", 400),  # H5 a bare LF ends the head
     (b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\n", 400),  # H6 a sign
     (b"GET /x HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 100_000 + b"\r\n\r\n", 431),  # H7
     (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MIB + 1), 413),  # H8
@@ -247,6 +311,32 @@ async def test_pipelined_requests_are_answered_in_order(server):  # H9
     got, _ = await raw_exchange(server.port, data, read_timeout=1)
     assert got.count(b"HTTP/1.1 200 OK") == 2
     assert got.index(b'"first"') < got.index(b'"second"')
+
+
+async def test_a_pipelined_head_after_a_body_is_checked_too(server):  # H5 on the second request
+    first = b'{"message":"first\\n\\n x"}'  # LF and a leading space in a body are no head's
+    data = (b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX: 1\r\n folded\r\n\r\n" % (len(first), first))
+    got, closed = await raw_exchange(server.port, data, read_timeout=2)
+    assert got.startswith(b"HTTP/1.1 200 OK") and b"HTTP/1.1 400 " in got and closed
+    assert b"obs-fold" in got
+
+
+async def test_a_head_sent_a_byte_at_a_time_is_still_checked(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    for b in b"GET /health HTTP/1.1\r\nHost: x\n":  # refused at that LF, before the head ends
+        writer.write(bytes([b]))
+        await writer.drain()
+    got = await asyncio.wait_for(reader.read(), 2)
+    assert got.startswith(b"HTTP/1.1 400 ") and b"bare LF" in got
+    writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    for b in b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n":  # and a good one passes
+        writer.write(bytes([b]))
+        await writer.drain()
+    got = await asyncio.wait_for(reader.readuntil(b"OK"), 2)
+    assert got.startswith(b"HTTP/1.1 200 OK")
+    writer.close()
 
 
 async def test_slow_headers_are_closed_at_the_head_timeout(server):  # H10
