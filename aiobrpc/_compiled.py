@@ -31,6 +31,8 @@ MODULES = (
     "aiobrpc.server.inline",
     "aiobrpc.protocol.baidu_std",
     "aiobrpc.client.call",
+    "aiobrpc.metrics",
+    "aiobrpc.client.metrics",
 )
 
 ENV = "AIOBRPC_NO_EXTENSIONS"

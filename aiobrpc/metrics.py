@@ -38,14 +38,18 @@ class _Second:
     def __init__(self) -> None:
         self.second = -1
         self.count = self.errors = self.sum = self.max = 0
-        self.hist = [0] * _BUCKETS
+        self.hist = None  # made when the slot is first used: a recorder called in few seconds is small
 
     def reset(self, second: int) -> None:
         self.second = second
         self.count = self.errors = self.sum = self.max = 0
-        hist = self.hist
-        for i in range(_BUCKETS):
-            hist[i] = 0
+        if self.hist is None:
+            self.hist = [0] * _BUCKETS
+        else:
+            self.hist[:] = _ZEROS
+
+
+_ZEROS = [0] * _BUCKETS
 
 
 class LatencyRecorder:
@@ -75,14 +79,15 @@ class LatencyRecorder:
             us = 0
         elif us > _MAX_US:
             us = _MAX_US
+        b = us.bit_length()
+        u = us
         cur.count += 1
-        cur.sum += us
-        if us > cur.max:
-            cur.max = us
+        cur.sum += u
+        if u > cur.max:
+            cur.max = u
         if failed:
             cur.errors += 1
-        b = us.bit_length()  # _bucket(us), inline: this runs for every call
-        cur.hist[us if b <= 4 else (b << 3) | ((us >> (b - 4)) & 7)] += 1
+        cur.hist[u if b <= 4 else (b << 3) | ((u >> (b - 4)) & 7)] += 1  # _bucket(u), inline: this runs for every call
 
     def _advance(self, sec: int) -> _Second:
         slot = self._slots[sec % len(self._slots)]

@@ -33,6 +33,10 @@ Implementations:
   h  as (a), the channel without per-method status (ChannelOptions(method_status=False)): what
      the figures of Channel.status() cost per call; ask for it with --only (the ratios show
      (a)/(h) of QPS and of client CPU per call)
+  i  as (a), the server with every limit set high enough never to refuse (max_concurrency,
+     a per-method constant limiter, max_connections, idle_timeout_sec, max_user_fields): what
+     checking them costs per call; ask for it with --only (the ratios show (a)/(i) of QPS and of
+     server CPU per call)
 
 Measured per scenario, in the measurement window only: QPS, payload MB/s (10^6 bytes, one
 direction), latency p50/p99/p99.9 of each call as its client task sees it, CPU seconds per
@@ -93,6 +97,7 @@ IMPLS = {
     "f": "protocol floor",
     "g": "aiobrpc, no method status",
     "h": "aiobrpc, no client method status",
+    "i": "aiobrpc, limits on",
 }
 DEFAULT_IMPLS = "a,b,c,d"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -126,7 +131,12 @@ async def serve_aiobrpc() -> None:
             cntl.response_attachment = cntl.request_attachment
             return echo_pb2.EchoResponse(message=request.message)
 
-    server = aiobrpc.Server(aiobrpc.ServerOptions(method_status=os.environ.get("BENCH_METHOD_STATUS") != "0"))
+    limits = {}
+    if os.environ.get("BENCH_LIMITS") == "1":  # every limit checked per request, none reached
+        limits = dict(max_concurrency=1_000_000, method_max_concurrency=1_000_000, max_connections=10_000,
+                      idle_timeout_sec=3600, max_user_fields=64)
+    server = aiobrpc.Server(aiobrpc.ServerOptions(method_status=os.environ.get("BENCH_METHOD_STATUS") != "0",
+                                                  **limits))
     server.add_service(Echo())
     await server.start("127.0.0.1:0")
     print(f"PORT {server.port} {_fast.IMPLEMENTATION}", flush=True)
@@ -238,7 +248,8 @@ async def floor_client(port: int):
 
 
 CLIENTS = {"a": aiobrpc_client, "b": aiobrpc_client, "c": grpc_client, "d": raw_client, "e": raw_client,
-           "f": floor_client, "g": aiobrpc_client, "h": aiobrpc_client}
+           "f": floor_client, "g": aiobrpc_client, "h": aiobrpc_client,
+           "i": aiobrpc_client}
 
 
 def _proc_stat(pid: int) -> list[bytes]:
@@ -411,6 +422,7 @@ def impl_env(impl: str, grpc_dir: str | None, keep_heap: bool = False) -> dict:
         env["AIOBRPC_NO_EXTENSIONS"] = "1"
     env["BENCH_METHOD_STATUS"] = "0" if impl == "g" else "1"
     env["BENCH_CLIENT_METHOD_STATUS"] = "0" if impl == "h" else "1"
+    env["BENCH_LIMITS"] = "1" if impl == "i" else "0"
     if grpc_dir:
         env["BENCH_GRPC_DIR"] = grpc_dir
     return env
@@ -475,7 +487,7 @@ def run_impl(impl: str, loop: str, args, grpc_dir: str | None) -> list[dict]:
                   flush=True)
         if client.wait() != 0:
             raise SystemExit(f"client {impl} failed with exit status {client.returncode}")
-        if impl in ("a", "b", "g", "h"):
+        if impl in ("a", "b", "g", "h", "i"):
             want = "python" if impl == "b" else "cython"
             for row in rows:
                 if row["detail"] != want or server_detail != want:
@@ -542,11 +554,13 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
         if a is None:
             continue
         cells = [name]
-        for other in ("c", "d", "b", "e", "f", "g", "h"):
+        for other in ("c", "d", "b", "e", "f", "g", "h", "i"):
             o = _find(rows, loop, other, name)
             cells.append(_ratio(a["qps"], o["qps"] if o else None))
         h = _find(rows, loop, "h", name)
         cells.append(_ratio(a["client_cpu_us_per_call"], h["client_cpu_us_per_call"] if h else None))
+        i = _find(rows, loop, "i", name)
+        cells.append(_ratio(i["server_cpu_us_per_call"], a["server_cpu_us_per_call"]) if i else None)
         d = _find(rows, loop, "d", name)
         cells.append(_ratio(a["p50_us"], d["p50_us"] if d else None))
         out.append(cells)
@@ -556,7 +570,7 @@ def ratio_rows(rows: list[dict], loop: str) -> list[list]:
 def ratios_table(rows: list[dict], loop: str, markdown: bool = False) -> str:
     head = ["scenario", "QPS (a)/(c) grpc", "QPS (a)/(d) raw", "QPS (a)/(b) pure", "QPS (a)/(e) raw+task",
             "QPS (a)/(f) floor", "QPS (a)/(g) no status", "QPS (a)/(h) no client status",
-            "client CPU/call (a)/(h)", "p50 (a)/(d)"]
+            "QPS (a)/(i) limits on", "client CPU/call (a)/(h)", "server CPU/call (i)/(a)", "p50 (a)/(d)"]
     lines = [[c[0]] + [f"{x:.2f}x" if x is not None else "-" for x in c[1:]] for c in ratio_rows(rows, loop)]
     return _render(head, lines, markdown)
 
@@ -625,9 +639,9 @@ def make_plots(result: dict, outdir: Path) -> list[Path]:
     rows = result["rows"]
     loop = "uvloop" if "uvloop" in result["loops"] else result["loops"][0]
     impls = [i for i in IMPLS if any(r["impl"] == i and r["loop"] == loop for r in rows)]
-    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v", "f": "x", "g": "+", "h": "*"}
+    marker = {"a": "o", "b": "s", "c": "^", "d": "D", "e": "v", "f": "x", "g": "+", "h": "*", "i": "1"}
     line = {"a": "-", "b": "--", "c": "-.", "d": ":", "e": (0, (5, 2, 1, 2, 1, 2)), "f": (0, (1, 1)),
-            "g": (0, (3, 1)), "h": (0, (3, 1, 1, 1))}
+            "g": (0, (3, 1)), "h": (0, (3, 1, 1, 1)), "i": (0, (2, 2))}
     written = []
     stamp = f"{result['date'][:10]}, {loop}, 2-core VM"
 

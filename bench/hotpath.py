@@ -13,6 +13,12 @@ CPUs; this isolates one side at a time so a change to the hot path shows in micr
 `--method-status off` runs the client with `ChannelOptions(method_status=False)`; `both` runs
 it both ways and prints the ratio, what the per-method figures cost on the client.
 
+`--server-compare status` runs the server side with and without `ServerOptions(method_status)`
+(what /status's per-method figures cost); `--server-compare limits` with and without every limit
+set high enough never to refuse (LIMITS: server and per-method max_concurrency, max_connections,
+idle_timeout_sec, max_user_fields): what checking them costs; `all`: both at once against neither.
+Alternated, best of each.
+
 `--attachment N` puts an N-byte attachment on every request (server side; the handler echoes
 it) and on every reply (client side), so the cost of receiving one shows.
 
@@ -125,12 +131,18 @@ def _request_frame(echo_pb2, cid: int, attachment: bytes = b"") -> bytes:
     return b"".join(bytes(b) for b in bufs)
 
 
-async def server_side(calls: int, batch: int, attachment: int = 0) -> float:
+LIMITS = dict(max_concurrency=1_000_000, method_max_concurrency=1_000_000, max_connections=10_000,
+              idle_timeout_sec=3600, max_user_fields=64)
+SERVER_COMPARE = {"status": ({}, {"method_status": False}), "limits": (LIMITS, {}),  # (with, without)
+                  "all": (LIMITS, {"method_status": False})}
+
+
+async def server_side(calls: int, batch: int, attachment: int = 0, options: dict | None = None) -> float:
     import aiobrpc
     from aiobrpc.server.connection import ServerConnection
 
     servicer, echo_pb2 = _echo_service()
-    server = aiobrpc.Server(aiobrpc.ServerOptions())
+    server = aiobrpc.Server(aiobrpc.ServerOptions(**(options or {})))
     server.add_service(servicer)
     loop = asyncio.get_running_loop()
     replies = 0
@@ -223,14 +235,15 @@ async def client_side(calls: int, concurrency: int, attachment: int = 0, method_
     return elapsed / (per_worker * concurrency) * 1e6
 
 
-def run(side: str, args, method_status: bool = True, repeat: int | None = None) -> float:
+def run(side: str, args, method_status: bool = True, repeat: int | None = None,
+        server_options: dict | None = None) -> float:
     new_loop = uvloop.new_event_loop if args.loop == "uvloop" else asyncio.new_event_loop
     best = float("inf")
     for _ in range(args.repeat if repeat is None else repeat):
         loop = new_loop()
         try:
             if side == "server":
-                us = loop.run_until_complete(server_side(args.calls, args.batch, args.attachment))
+                us = loop.run_until_complete(server_side(args.calls, args.batch, args.attachment, server_options))
             else:
                 us = loop.run_until_complete(
                     client_side(args.calls, args.concurrency, args.attachment, method_status))
@@ -254,6 +267,8 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="cProfile one run (first twin)")
     p.add_argument("--method-status", choices=["on", "off", "both"], default="on",
                    help="client: ChannelOptions.method_status; both: each way, and their ratio")
+    p.add_argument("--server-compare", choices=sorted(SERVER_COMPARE),
+                   help="server: with and without per-method status, or with and without the limits")
     args = p.parse_args(argv)
     sides = ["server", "client"] if args.side == "both" else [args.side]
     pure_args = [*(sys.argv[1:] if argv is None else argv), "--twins", "python"]
@@ -276,6 +291,15 @@ def main(argv=None) -> None:
         _fast.use(twin)
         att = f" att={args.attachment}B" if args.attachment else ""
         for side in sides:
+            if side == "server" and args.server_compare:
+                with_opts, without_opts = SERVER_COMPARE[args.server_compare]
+                on = off = float("inf")
+                for _ in range(args.repeat):
+                    on = min(on, run(side, args, repeat=1, server_options=with_opts))
+                    off = min(off, run(side, args, repeat=1, server_options=without_opts))
+                print(f"{side:6} {twin:6} {args.loop:7}{att} {on:6.2f} us/call with {args.server_compare}, "
+                      f"{off:6.2f} without: {on / off:.3f}x (+{on - off:.2f} us)")
+                continue
             if side == "server" or args.method_status != "both":
                 us = run(side, args, args.method_status != "off")
                 print(f"{side:6} {twin:6} {args.loop:7}{att} {us:6.2f} us/call")

@@ -414,8 +414,10 @@ class Server:
                           conn.peer)
             conn.abort()
         finally:
-            if status is not None or self.rpcz is not None or otel is not None:
+            if self.rpcz is not None or otel is not None:
                 request_ended(self, conn, entry, cntl, status, started, "baidu_std", otel)
+            elif status is not None:  # request_ended's only work here, without its call
+                status.ended((_now_ns() - started) // 1000, cntl.error_code)
             if self._tasks:
                 self._tasks.discard(_current_task(conn.loop))
             self.concurrency -= 1

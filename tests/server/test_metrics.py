@@ -98,13 +98,28 @@ def test_memory_does_not_grow_with_calls():
     def size():
         return sum(sys.getsizeof(s.hist) for s in r._slots) + len(r._slots)
 
-    before = size()
     rng = random.Random(1)
+    sizes = []
     for _ in range(50):
         for _ in range(200):
             r.record(rng.randrange(10**9))
         clock.t += 1
-    assert size() == before and len(r._slots) == 11
+        sizes.append(size())
+    assert len(set(sizes[11:])) == 1 and max(sizes) == sizes[-1] and len(r._slots) == 11
+
+
+def test_a_histogram_is_made_only_for_a_second_with_calls():
+    clock = Clock()
+    r = LatencyRecorder(window=10, clock=clock)
+    assert all(s.hist is None for s in r._slots)
+    for _ in range(1000):
+        r.record(7)
+    assert sum(s.hist is not None for s in r._slots) == 1
+    clock.t += 5
+    r.record(9)
+    clock.t += 1
+    assert sum(s.hist is not None for s in r._slots) == 2
+    assert r.count == 1001 and r.percentiles((50,)) == {50: 7}
 
 
 def test_window_must_be_positive():
