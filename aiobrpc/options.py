@@ -276,7 +276,9 @@ class ServerOptions:
             False answers ERPCAUTH and closes the connection. The handler sees the credential
             as `cntl.authentication_data`. None: no authentication.
         idle_timeout_sec: Close a connection that has no request in flight and received
-            nothing for this many seconds. -1: never.
+            nothing for this many seconds. -1 (or any value <= 0): never. Whatever it is, a
+            connection idle for a second gives its 256 KiB read block back (the next read
+            makes another), so an idle connection costs ~4 KB.
         first_frame_timeout_sec: Close a new connection that sends no complete frame within
             this many seconds (stricter than brpc, which waits).
         max_connections: Connections open at once; one more is closed at once.
@@ -353,10 +355,15 @@ class ServerOptions:
             raise ValueError(f"max_concurrency must be an int >= 0, got {self.max_concurrency!r}")
         for name in ("max_body_size", "max_decompressed_size", "max_unwritten_bytes"):
             _check_size(name, getattr(self, name))
-        if self.first_frame_timeout_sec <= 0:
-            raise ValueError(f"first_frame_timeout_sec must be > 0, got {self.first_frame_timeout_sec}")
-        if self.max_connections < 1 or self.handler_threads < 1:
-            raise ValueError("max_connections and handler_threads must be >= 1")
+        if not _is_number(self.first_frame_timeout_sec) or not self.first_frame_timeout_sec > 0:
+            raise ValueError(f"first_frame_timeout_sec must be a number of seconds > 0, "
+                             f"got {self.first_frame_timeout_sec!r}")
+        if not _is_number(self.idle_timeout_sec):  # <= 0: never, as brpc's -idle_timeout_second
+            raise ValueError(f"idle_timeout_sec must be a number of seconds (<= 0: never), "
+                             f"got {self.idle_timeout_sec!r}")
+        for name in ("max_connections", "handler_threads"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if not _is_int(self.rpcz_max_records) or self.rpcz_max_records < 1:
             raise ValueError(f"rpcz_max_records must be an int >= 1, got {self.rpcz_max_records!r}")
         if not _is_int(self.internal_port) or not -1 <= self.internal_port <= 65535:
@@ -366,6 +373,10 @@ class ServerOptions:
             raise ValueError(f"max_user_fields must be an int in 0..1024, got {self.max_user_fields!r}")
         if not _is_int(self.max_user_fields_bytes) or self.max_user_fields_bytes < 0:
             raise ValueError(f"max_user_fields_bytes must be an int >= 0, got {self.max_user_fields_bytes!r}")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
 def _check_ms(name: str, v) -> None:

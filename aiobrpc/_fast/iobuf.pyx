@@ -185,7 +185,7 @@ cdef class ReadBuffer:
             raise LocalProtocolError(f"block_size ({block_size}) must be at least twice "
                                      f"large_threshold ({large_threshold})")
         self._block_size = block_size
-        self._block = bytearray(self._block_size)
+        self._block = bytearray()  # made at the first read: a silent connection holds no block
         self._start = 0
         self._end = 0
         self._large = None
@@ -362,8 +362,16 @@ cdef class ReadBuffer:
         self._complete = None
         self._large_filled = self._large_total = 0
         self._start = self._end = 0
-        if not self._unshared() or PyByteArray_GET_SIZE(self._block) != self._block_size:
-            self._block = bytearray(self._block_size)
+        self._block = bytearray()  # views of the old block keep it alive as long as they need
+
+    def release(self):
+        """Let the block go when nothing is buffered and nothing views it (see the pure twin)."""
+        if (self._start != self._end or self._large is not None or self._complete is not None
+                or PyByteArray_GET_SIZE(self._block) == 0 or not self._unshared()):
+            return False
+        self._block = bytearray()
+        self._start = self._end = 0
+        return True
 
     # -- internals ---------------------------------------------------------------------------
     cdef bint _unshared(self) noexcept:

@@ -41,6 +41,7 @@ _EAGER = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 _INLINE = sys.version_info[:2] == (3, 11)
 _refuse_log = RateLimitedLog()
 _now_ns = time.perf_counter_ns
+BLOCK_RELEASE_IDLE_S = 1.0  # an idle connection gives its read block back after this long
 _CLOSE_GRACE_SEC = 1.0  # join() without a timeout: how long peers get to read their last replies
 
 
@@ -116,7 +117,7 @@ class Server:
         self._tasks: set[asyncio.Task] = set()
         self._idle: asyncio.Future | None = None  # join() waits on it for concurrency to reach 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._idle_checker: asyncio.Task | None = None
+        self._housekeeper: asyncio.Task | None = None
         self.port = 0
         self.host = ""
         self.started_at = 0.0  # time.monotonic() at start()
@@ -185,8 +186,7 @@ class Server:
                 raise
             self.internal_port = self._internal_listener.sockets[0].getsockname()[1]
         self.started_at = time.monotonic()
-        if self.options.idle_timeout_sec > 0:
-            self._idle_checker = loop.create_task(self._close_idle_connections())
+        self._housekeeper = loop.create_task(self._housekeeping())
 
     async def stop(self) -> None:
         """Stop accepting; new requests on open connections get ELOGOFF; in-flight ones finish."""
@@ -211,10 +211,10 @@ class Server:
         self.closing_connections = True
         for conn in list(self.connections):
             conn.close()
-        if self._idle_checker is not None:
-            self._idle_checker.cancel()
-            await asyncio.gather(self._idle_checker, return_exceptions=True)
-            self._idle_checker = None
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+            await asyncio.gather(self._housekeeper, return_exceptions=True)
+            self._housekeeper = None
         grace = _CLOSE_GRACE_SEC if deadline is None else max(0.0, deadline - loop.time())
         if not await self._connections_closed(grace):
             self._abort_connections(grace)
@@ -290,15 +290,25 @@ class Server:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _close_idle_connections(self) -> None:
+    async def _housekeeping(self) -> None:
+        """Every second (or idle_timeout_sec, if shorter): a connection with nothing in flight
+        for BLOCK_RELEASE_IDLE_S gives its read block back (256 KiB; the next read makes
+        another), so idle connections cost little memory; past idle_timeout_sec one is closed."""
         limit = self.options.idle_timeout_sec
+        period = min(1.0, limit) if limit > 0 else 1.0
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(min(1.0, limit))
-            now = asyncio.get_running_loop().time()
+            await asyncio.sleep(period)
+            now = loop.time()
             for conn in list(self.connections):
-                if conn.inflight == 0 and now - conn.last_active > limit and not conn.streams:
+                if conn.inflight:
+                    continue
+                idle = now - conn.last_active
+                if limit > 0 and idle > limit and not conn.streams:
                     self.stats.count_close("idle_timeout")
                     conn.close()
+                elif idle >= BLOCK_RELEASE_IDLE_S:
+                    conn.decoder.reader.rbuf.release()
 
     # -- requests ----------------------------------------------------------------------------
     def _tag(self, conn: ServerConnection) -> str:

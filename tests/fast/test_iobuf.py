@@ -489,3 +489,52 @@ def test_clear_keeps_live_views_intact():
     reader.feed(other)
     _, _, payload2 = reader.next_frame()
     assert bytes(payload) == msg[16:] and bytes(payload2) == other[16:]
+
+
+# --- idle connections hold no block -------------------------------------------------------------
+def test_the_block_is_made_at_the_first_read_and_released_when_empty():
+    reader = _fast.FrameReader(block_size=4096, large_threshold=1024)
+    rb = reader.rbuf
+    assert rb.release() is False  # nothing to release yet: no block was made
+    msg = frame(b"meta", pattern(300, 3))
+    reader.feed(msg)
+    kind, meta, payload = reader.next_frame()
+    assert rb.release() is False  # views of the block are alive
+    assert bytes(payload) == msg[16:]
+    del kind, meta, payload
+    assert rb.release() is True and rb.release() is False
+    reader.feed(msg)  # the next read makes a block again
+    _, _, payload = reader.next_frame()
+    assert bytes(payload) == msg[16:] and len(reader.get_buffer(-1).obj) == 4096
+
+
+def test_a_partial_frame_keeps_its_block():
+    reader = _fast.FrameReader(block_size=4096, large_threshold=1024)
+    msg = frame(b"meta", pattern(300, 4))
+    reader.feed(msg[:100])
+    assert reader.rbuf.release() is False and reader.rbuf.pending_bytes() == 100
+    reader.feed(msg[100:])
+    _, _, payload = reader.next_frame()
+    assert bytes(payload) == msg[16:]
+
+
+def test_a_large_frame_in_progress_keeps_its_buffer():
+    reader = _fast.FrameReader(block_size=4096, large_threshold=1024)
+    msg = frame(b"meta", pattern(5000, 5))
+    kernel_reads = [msg[:2000]]
+    for part in kernel_reads:
+        buf = reader.get_buffer(-1)
+        buf[:len(part)] = part
+        del buf
+        reader.buffer_updated(len(part))
+    assert reader.next_frame() is None and reader.rbuf.release() is False
+    rest = msg[2000:]
+    while rest:
+        buf = reader.get_buffer(-1)
+        k = min(len(buf), len(rest))
+        buf[:k] = rest[:k]
+        del buf
+        reader.buffer_updated(k)
+        rest = rest[k:]
+    _, _, payload = reader.next_frame()
+    assert bytes(payload) == msg[16:]
