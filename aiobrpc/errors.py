@@ -26,7 +26,8 @@ retry set, `DEFAULT_RETRYABLE`; a call is retried only while `max_retry` and its
 | `EHOSTDOWN` | 112 | the server is marked down (health check running), or the channel is closed | yes |
 | `EHOSTUNREACH` | 113 | the host name does not resolve | no |
 | `ENODATA` | 61 | the naming service lists no server (the text names its last fault, when it failed) | yes |
-| `EINVAL` | 22 | a Channel was called from a second event loop while the first still runs in another thread | no |
+| `EREJECT` | 1018 | rejected by the load balancer's cluster recovery (rr, random with `min_working_instances`) | never |
+| `EINVAL` | 22 | a Channel was called from a second event loop while the first still runs in another thread; a consistent-hashing load balancer got no `request_code` (or one over 32 bits) | no |
 
 A handler may also raise codes of its own (any int but 0, clear of the numbers above);
 `describe()` calls them "Unknown error N" unless the text says more.
@@ -99,6 +100,7 @@ DESCRIPTIONS: dict[int, str] = {
     EUNUSED: "The socket was not needed",
     ESSL: "SSL related operation failed",
     EH2RUNOUTSTREAMS: "The H2 socket was run out of streams",
+    EREJECT: "The Request is rejected",  # errno.proto's comment: brpc registers no text
     EPROGREADTIMEOUT: "Progressive read timed out",
     EINTERNAL: "General internal error",
     ERESPONSE: "Bad response",

@@ -28,5 +28,5 @@ cdef class Call:
     cpdef _complete(self, Attempt att, response, err)
     cpdef _fail(self, e)
     cpdef _record(self, Attempt att, code)
-    cpdef _abandon(self, Attempt att)
+    cpdef _abandon(self, Attempt att, int code)
     cpdef _stop_others(self, Attempt att, err)

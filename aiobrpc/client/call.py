@@ -184,7 +184,7 @@ class Call:
         self.current = att
         try:
             try:
-                pool = self.channel._select_server(self.excluded)
+                pool = self.channel._select_server(self.excluded, self.cntl)
             except RpcError as e:
                 self._ended(att, None, e)
                 return
@@ -335,12 +335,12 @@ class Call:
         if code or self.errors is not None or self.cntl.has_backup_request:
             self._record(att, code)  # a lone successful attempt is described by the controller
         if pool is not None:
-            lb = self.channel.lb
-            if lb is not None or pool.breaker is not None:
+            lb_feedback = self.channel._lb_feedback
+            if lb_feedback is not None or pool.breaker is not None:
                 latency_us = (_now_ns() - att.start_ns) // 1000
-                if lb is not None:
+                if lb_feedback is not None:
                     try:  # _ask's work, inline: this runs for every reply
-                        lb.feedback(pool.node, code, latency_us)
+                        lb_feedback(pool.node, code, latency_us, self.timeout_ms, self.retried, self.max_retry)
                     except Exception as e:
                         raise CallbackFailed("load_balancer.feedback", e) from None
                 pool.feedback(code, latency_us)
@@ -486,16 +486,13 @@ class Call:
 
     def _end_at_deadline(self) -> None:
         self.channel.stats.timeouts += 1
-        # Attempts still waiting failed at the deadline: their servers' breakers and the load
-        # balancer hear it, so a server that never answers is isolated (brpc's docs/en/client.md).
+        # Attempts still waiting failed at the deadline: their servers' breakers hear it, so a
+        # server that never answers is isolated (brpc's docs/en/client.md); the load balancer
+        # hears it when _complete abandons them.
         now = _now_ns()
-        lb = self.channel.lb
         for att in (self.current, self.unfinished):
             if att is not None and att.sent and not att.done and att.pool is not None:
-                latency_us = (now - att.start_ns) // 1000
-                if lb is not None:
-                    _ask("load_balancer.feedback", lb.feedback, att.pool.node, ERPCTIMEDOUT, latency_us)
-                att.pool.feedback(ERPCTIMEDOUT, latency_us)
+                att.pool.feedback(ERPCTIMEDOUT, (now - att.start_ns) // 1000)
         cur = self.current
         where = cur.pool.address if cur is not None and cur.pool is not None else self.channel.address
         self._complete(None, None, RpcError(ERPCTIMEDOUT, f"Reached timeout={self.timeout_ms}ms @{where}"))
@@ -540,7 +537,7 @@ class Call:
         if self.backup_timer is not None or self.retry_handle is not None or self.unfinished is not None:
             self._stop_others(att, err)
         elif self.current is not att and self.current is not None and not self.current.done:
-            self._abandon(self.current)
+            self._abandon(self.current, ECANCELED if err is None else err.code)
         self.current = None
         cntl = self.cntl
         if side is not None:
@@ -586,15 +583,21 @@ class Call:
         if self.retry_handle is not None:
             self.retry_handle.cancel()
             self.retry_handle = None
-        for other in (self.current, self.unfinished):
+        unfinished = self.unfinished
+        for other in (self.current, unfinished):
             if other is not None and other is not att and not other.done:
                 if err is None and other.sent:
                     self.channel.stats.backup_losers += 1
-                self._abandon(other)
+                if err is not None:
+                    code = err.code
+                else:  # brpc's codes for the load balancer: the original lost to a later attempt, or the reverse
+                    code = EBACKUPREQUEST if other is unfinished else ECANCELED
+                self._abandon(other, code)
         self.unfinished = None
 
-    def _abandon(self, att: Attempt) -> None:
-        """Stop waiting for `att`: its late reply is dropped (and counted) by its connection."""
+    def _abandon(self, att: Attempt, code: int) -> None:
+        """Stop waiting for `att`: its late reply is dropped (and counted) by its connection; a
+        load balancer that wants feedback hears that the attempt ended with `code`."""
         att.done = True
         if att.task is not None:
             att.task.cancel()
@@ -604,6 +607,13 @@ class Call:
             conn.forget(att.cid)
             if self.ctype != SINGLE:
                 att.pool.release(conn, self.ctype, False)  # a reply is in flight: never reuse it
+        lb_feedback = self.channel._lb_feedback
+        if lb_feedback is not None and att.pool is not None:
+            try:
+                lb_feedback(att.pool.node, code, (_now_ns() - att.start_ns) // 1000, self.timeout_ms,
+                            self.retried, self.max_retry)
+            except Exception as e:  # the call's outcome is already decided: logged only
+                CallbackFailed("load_balancer.feedback", e)
         self._record(att, None)
 
     def _record(self, att: Attempt, code: int | None) -> None:

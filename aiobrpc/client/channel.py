@@ -83,6 +83,9 @@ class Channel:
         self._methods = MethodTable() if options.method_status else None  # Call._complete records
         self.pools: dict[ServerNode, ServerPool] = {}
         self.lb = None
+        # The load balancer's attempt_ended when it wants feedback (Call reports every attempt's
+        # end to it), else None: balancers that do not learn cost the call path nothing.
+        self._lb_feedback = None
         self.naming = None
         self._single: ServerPool | None = None
         self._watch: asyncio.Task | None = None
@@ -100,6 +103,10 @@ class Channel:
                                  "(e.g. 'rr'), or pass a plain 'host:port'")
             self.naming = create_naming_service(address)
             self.lb = create_load_balancer(load_balancer)
+            if self.lb.wants_feedback:
+                self._lb_feedback = self.lb.attempt_ended
+            pools = self.pools
+            self._available = lambda node: pools[node].available
             self.address = address
             if isinstance(self.naming, ListNamingService):
                 self._set_servers(list(self.naming.servers))  # static: known at once
@@ -172,8 +179,10 @@ class Channel:
         log.warning("%s; keeping %d servers", self._naming_error, len(self.pools))
         self._release_first_list_waiters()
 
-    def _select_server(self, excluded) -> ServerPool:
-        """The server of the next attempt; RpcError(EHOSTDOWN/ENODATA) when there is none."""
+    def _select_server(self, excluded, cntl: Controller) -> ServerPool:
+        """The server of the next attempt, chosen by the load balancer with the servers to
+        avoid (`excluded`) and the call's `cntl.request_code`; RpcError(EHOSTDOWN/ENODATA, or
+        what the balancer raises: EINVAL, EREJECT) when there is none."""
         pool = self._single
         if pool is not None:
             if pool.available:
@@ -185,7 +194,8 @@ class Channel:
             why = f" ({self._naming_error})" if self._naming_error else ""
             raise RpcError(ENODATA, f"Fail to select server: {self.address} lists no server{why}")
         try:
-            node = self.lb.select(excluded=excluded, available=lambda n: pools[n].available)
+            node = self.lb.select(excluded=excluded, available=self._available,
+                                  request_code=cntl.request_code)
         except RpcError:
             raise
         except Exception as e:

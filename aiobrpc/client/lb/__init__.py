@@ -1,7 +1,19 @@
-"""Load balancers by brpc name (brpc's docs/en/load_balancing.md).
+"""Load balancers by brpc name (brpc's docs/en/load_balancing.md, docs/load_balancers.md).
+
+| name | module | picks |
+|---|---|---|
+| `rr` | rr | each server in turn, in a random stride order |
+| `random` | randomized | a uniformly random server |
+| `wrr` | wrr | servers in proportion to their weight tags, in turn |
+| `wr` | wr | a random server with probability proportional to its weight tag |
+| `la` | la | locality-aware: weight ~ QPS / latency, learnt from feedback |
+| `p2c` | p2c | the less loaded of 2 random servers (peak-EWMA latency x in-flight) |
+| `c_murmurhash`, `c_md5`, `c_ketama` | consistent_hashing | the owner of `Controller.request_code` on a hash ring |
 
 >>> create_load_balancer("rr").name
 'rr'
+>>> create_load_balancer("c_ketama:replicas=160").replicas
+160
 """
 
 from __future__ import annotations
@@ -9,11 +21,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from .base import LoadBalancer, parse_lb_name
+from .consistent_hashing import ConsistentHashingLoadBalancer
+from .la import LocalityAwareLoadBalancer
+from .p2c import P2CEwmaLoadBalancer
+from .randomized import RandomizedLoadBalancer
 from .rr import RoundRobinLoadBalancer
+from .wr import WeightedRandomizedLoadBalancer
+from .wrr import WeightedRoundRobinLoadBalancer
 
 __all__ = [
-    "LoadBalancer", "RoundRobinLoadBalancer", "create_load_balancer", "parse_lb_name",
-    "register_load_balancer",
+    "ConsistentHashingLoadBalancer", "LoadBalancer", "LocalityAwareLoadBalancer",
+    "P2CEwmaLoadBalancer", "RandomizedLoadBalancer", "RoundRobinLoadBalancer",
+    "WeightedRandomizedLoadBalancer", "WeightedRoundRobinLoadBalancer", "create_load_balancer",
+    "parse_lb_name", "register_load_balancer",
 ]
 
 # name -> factory taking the parsed `name:key=value ...` parameters.
@@ -42,3 +62,11 @@ def create_load_balancer(name: str) -> LoadBalancer:
 
 
 register_load_balancer("rr", RoundRobinLoadBalancer.from_params)
+register_load_balancer("random", RandomizedLoadBalancer.from_params)
+register_load_balancer("wrr", WeightedRoundRobinLoadBalancer.from_params)
+register_load_balancer("wr", WeightedRandomizedLoadBalancer.from_params)
+register_load_balancer("la", LocalityAwareLoadBalancer.from_params)
+register_load_balancer("p2c", P2CEwmaLoadBalancer.from_params)
+register_load_balancer("c_murmurhash", ConsistentHashingLoadBalancer.factory("murmurhash"))
+register_load_balancer("c_md5", ConsistentHashingLoadBalancer.factory("md5"))
+register_load_balancer("c_ketama", ConsistentHashingLoadBalancer.factory("ketama"))

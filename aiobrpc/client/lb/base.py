@@ -6,8 +6,11 @@
 
 from __future__ import annotations
 
+import random
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import ClassVar
 
 from ..naming.base import ServerNode
 
@@ -17,15 +20,37 @@ def always_available(server: ServerNode) -> bool:
     return True
 
 
+def rand_below(rng: random.Random, n: int) -> int:
+    """A random int in [0, n), 0 when n <= 0 (butil::fast_rand_less_than(0) is 0)."""
+    return rng.randrange(n) if n > 0 else 0
+
+
 class LoadBalancer(ABC):
     """Picks a server for each attempt of a call.
 
     The channel feeds it the naming service's lists with `set_servers` (full replacement) and
     asks `select` per attempt, passing the servers earlier attempts of the call used
-    (`excluded`) and a predicate telling whether a server is usable now (`available`: not
-    failed, not logged off, no health check in flight). `select` raises RpcError(ENODATA) for an
+    (`excluded`), a predicate telling whether a server is usable now (`available`: not
+    failed, not logged off, no health check in flight) and the call's
+    `Controller.request_code` (None when not set). `select` raises RpcError(ENODATA) for an
     empty list and RpcError(EHOSTDOWN) when no server is available; both are retryable.
+
+    Feedback: when `wants_feedback` is true, the channel reports the end of every attempt
+    that `select` chose a server for, exactly once, with `attempt_ended` (an attempt dropped
+    because another one won, the deadline passed or the call was cancelled included). The
+    default `attempt_ended` calls `feedback(server, error_code, latency_us)`. A subclass that
+    defines `feedback` or `attempt_ended` wants feedback unless it sets `wants_feedback`
+    itself; other balancers cost the call path nothing for it.
     """
+
+    name = ""
+    wants_feedback: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "wants_feedback" not in cls.__dict__ and (
+                "feedback" in cls.__dict__ or "attempt_ended" in cls.__dict__):
+            cls.wants_feedback = True
 
     def __init__(self) -> None:
         self._servers: tuple[ServerNode, ...] = ()
@@ -36,10 +61,7 @@ class LoadBalancer(ABC):
 
     def set_servers(self, servers: Sequence[ServerNode]) -> None:
         """Replace the server list; duplicates (address and tag) keep their first place."""
-        for server in servers:
-            if not isinstance(server, ServerNode):
-                raise TypeError(f"set_servers needs ServerNode items, got {server!r}")
-        self._servers = tuple(dict.fromkeys(servers))
+        self._servers = unique_nodes(servers)
 
     @abstractmethod
     def select(self, *, excluded: Collection[ServerNode] = (),
@@ -48,7 +70,23 @@ class LoadBalancer(ABC):
         """The server for the next attempt."""
 
     def feedback(self, server: ServerNode, error_code: int, latency_us: int) -> None:
-        """Result of one attempt on `server` (used by latency-aware LBs; default: ignored)."""
+        """Result of one attempt on `server`: its error code (0: success) and how long it took."""
+
+    def attempt_ended(self, server: ServerNode, error_code: int, latency_us: int,
+                      timeout_ms: int, retried_count: int, max_retry: int) -> None:
+        """What the channel calls when an attempt ends (see the class): the attempt's result,
+        with the call's `timeout_ms` (-1: none), the retries made before this attempt and the
+        call's `max_retry`. The default passes the result to `feedback`."""
+        self.feedback(server, error_code, latency_us)
+
+
+def unique_nodes(servers: Iterable[ServerNode]) -> tuple[ServerNode, ...]:
+    """`servers` without repeats (first place kept); TypeError for an item that is not a ServerNode."""
+    nodes = tuple(dict.fromkeys(servers))
+    for server in nodes:
+        if not isinstance(server, ServerNode):
+            raise TypeError(f"set_servers needs ServerNode items, got {server!r}")
+    return nodes
 
 
 def parse_lb_name(name: str) -> tuple[str, dict[str, str]]:
@@ -76,3 +114,39 @@ def parse_lb_name(name: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"load balancer parameter {key!r} given twice in {name!r}")
         params[key] = value
     return lb_name, params
+
+
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
+def decimal_int(text: str) -> int | None:
+    """`text` as a decimal integer (ASCII digits, an optional sign), else None.
+
+    >>> decimal_int("-12"), decimal_int("1_000"), decimal_int(" 5")
+    (-12, None, None)
+    """
+    return int(text) if _DECIMAL.fullmatch(text) else None
+
+
+def int_params(lb_name: str, params: Mapping[str, str],
+               bounds: Mapping[str, tuple[int, int | None]]) -> dict[str, int]:
+    """The integer parameters of `lb_name:key=value ...`, each checked against its
+    (minimum, maximum or None) in `bounds`. ValueError naming the LB and the key for an unknown
+    key, a value that is not a decimal integer, or one out of bounds.
+
+    >>> int_params("p2c", {"choices": "3"}, {"choices": (2, 64), "tau_ms": (1, None)})
+    {'choices': 3}
+    """
+    values: dict[str, int] = {}
+    for key, text in params.items():
+        if key not in bounds:
+            raise ValueError(f"{lb_name}: unknown parameter {key!r}; known: {', '.join(bounds)}")
+        value = decimal_int(text)
+        if value is None:
+            raise ValueError(f"{lb_name}: {key} must be an integer, got {text!r}")
+        low, high = bounds[key]
+        if value < low or (high is not None and value > high):
+            wanted = f">= {low}" if high is None else f"in {low}..{high}"
+            raise ValueError(f"{lb_name}: {key} must be {wanted}, got {value}")
+        values[key] = value
+    return values

@@ -1,4 +1,4 @@
-"""rr: round robin in a random stride-permutation order (brpc's docs/en/load_balancing.md).
+"""rr: round robin in a random stride-permutation order (brpc's round_robin_load_balancer.cpp).
 
 >>> import random
 >>> from aiobrpc.client.naming import ServerNode
@@ -11,29 +11,16 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable, Collection, Mapping
 
 from ...errors import EHOSTDOWN, ENODATA, RpcError
 from ..naming.base import ServerNode
 from .base import LoadBalancer, always_available
+from .recovery import make_recovery, recovery_from_params
+from .stride import STRIDE_PRIMES
 
-logger = logging.getLogger(__name__)
-
-
-def _primes_between(low: int, high: int) -> tuple[int, ...]:
-    sieve = bytearray([1]) * (high + 1)
-    sieve[:2] = b"\0\0"
-    for d in range(2, int(high ** 0.5) + 1):
-        if sieve[d]:
-            sieve[d * d::d] = bytes(len(range(d * d, high + 1, d)))
-    return tuple(n for n in range(low, high + 1) if sieve[n])
-
-
-# brpc draws the stride from a fixed table of the primes in this range
-# (bthread/offset_inl.list): large enough to be coprime with any realistic server count.
-STRIDE_PRIMES = _primes_between(36809, 41579)
+__all__ = ["STRIDE_PRIMES", "RoundRobinLoadBalancer"]
 
 
 class RoundRobinLoadBalancer(LoadBalancer):
@@ -49,45 +36,35 @@ class RoundRobinLoadBalancer(LoadBalancer):
     available excluded server of the walk is taken in that case instead; whenever brpc finds
     a server, the choice is the same.
 
-    `min_working_instances` and `hold_seconds` (cluster recovery, brpc's docs/en/client.md) are
-    validated as brpc does and kept, but the recovery throttling itself is not implemented.
+    `min_working_instances` and `hold_seconds` (both > 0, or neither) turn on cluster recovery
+    (aiobrpc.client.lb.recovery): after a selection found no available server, selections are
+    rejected with EREJECT with probability 1 - usable/min_working_instances until the number
+    of usable servers has held for `hold_seconds`.
     """
 
     name = "rr"
 
     def __init__(self, *, min_working_instances: int | None = None,
-                 hold_seconds: int | None = None, rng: random.Random | None = None) -> None:
+                 hold_seconds: int | None = None, rng: random.Random | None = None,
+                 recovery_clock: Callable[[], int] | None = None) -> None:
         super().__init__()
-        if (min_working_instances is None) != (hold_seconds is None):
-            raise ValueError("rr: give both min_working_instances and hold_seconds, or neither")
-        for key, value in (("min_working_instances", min_working_instances),
-                           ("hold_seconds", hold_seconds)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value <= 0):
-                raise ValueError(f"rr: {key} must be an int > 0, got {value!r}")
-        if min_working_instances is not None:
-            logger.warning("rr: cluster recovery (min_working_instances=%d hold_seconds=%d) "
-                           "is accepted but not implemented", min_working_instances,
-                           hold_seconds)
+        self._rng = rng if rng is not None else random.Random()
+        self._recovery = make_recovery(self.name, min_working_instances, hold_seconds,
+                                       self._rng, recovery_clock)
         self.min_working_instances = min_working_instances
         self.hold_seconds = hold_seconds
-        self._rng = rng if rng is not None else random.Random()
         self._stride = 0  # 0: not drawn yet (drawn on first selection, as brpc does per thread)
         self._offset = 0
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> RoundRobinLoadBalancer:
         """Build from parsed `rr:key=value ...` parameters; ValueError for unknown keys."""
-        values: dict[str, int] = {}
-        for key, text in params.items():
-            if key not in ("min_working_instances", "hold_seconds"):
-                raise ValueError(f"rr: unknown parameter {key!r}; known: "
-                                 f"min_working_instances, hold_seconds")
-            try:
-                values[key] = int(text)
-            except ValueError:
-                raise ValueError(f"rr: {key} must be an integer, got {text!r}") from None
-        return cls(**values)
+        return cls(**recovery_from_params(cls.name, params))
+
+    @property
+    def recovering(self) -> bool:
+        """Whether cluster recovery is rejecting calls now (always False without it)."""
+        return self._recovery is not None and self._recovery.recovering
 
     def select(self, *, excluded: Collection[ServerNode] = (),
                available: Callable[[ServerNode], bool] = always_available,
@@ -96,6 +73,9 @@ class RoundRobinLoadBalancer(LoadBalancer):
         n = len(servers)
         if n == 0:
             raise RpcError(ENODATA, "Fail to select server: rr has an empty server list")
+        recovery = self._recovery
+        if recovery is not None and recovery.rejects(servers, available):
+            raise recovery.reject_error(self.name)
         if self._stride == 0:
             self._stride = self._rng.choice(STRIDE_PRIMES)
             self._offset = self._rng.randrange(n)
@@ -116,5 +96,8 @@ class RoundRobinLoadBalancer(LoadBalancer):
             self._offset = fallback
             return servers[fallback]
         self._offset = offset
+        if recovery is not None:
+            recovery.start()
         raise RpcError(EHOSTDOWN, f"Fail to select server: none of the {n} servers of rr "
                                   f"is available")
+
