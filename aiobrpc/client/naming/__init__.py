@@ -1,7 +1,8 @@
 """Naming services: where a cluster channel gets its servers from (brpc's docs/en/client.md).
 
 `create_naming_service("list://10.0.0.1:80,10.0.0.2:80")` picks the implementation by URL
-scheme; `register_naming_service` adds schemes.
+scheme: list://, dlist://, file://, http://, https://, dns:// and etcd:// (docs/naming.md);
+`register_naming_service` adds schemes.
 
 >>> create_naming_service("list://127.0.0.1:8000").servers
 (ServerNode(host='127.0.0.1', port=8000, tag=''),)
@@ -11,15 +12,23 @@ scheme; `register_naming_service` adds schemes.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
 from .base import NamingService, ServerNode, parse_entry, split_entry
+from .dlist import DomainListNamingService
+from .dns import DnsNamingService
+from .etcd import EtcdNamingService
+from .file import FileNamingService
 from .list import ListNamingService  # note: binds `list` in this module to the submodule
+from .periodic import PeriodicNamingService
 
 __all__ = [
-    "ListNamingService", "NamingService", "ServerNode", "create_naming_service",
-    "is_naming_url", "parse_entry", "register_naming_service", "split_entry",
+    "DnsNamingService", "DomainListNamingService", "EtcdNamingService", "FileNamingService",
+    "ListNamingService", "NamingService", "PeriodicNamingService", "ServerNode",
+    "create_naming_service", "is_naming_url", "parse_entry", "register_naming_service",
+    "split_entry",
 ]
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -54,3 +63,9 @@ def create_naming_service(url: str) -> NamingService:
 
 
 register_naming_service("list", ListNamingService)
+register_naming_service("dlist", DomainListNamingService)
+register_naming_service("file", FileNamingService)
+register_naming_service("http", functools.partial(DnsNamingService, scheme="http"))
+register_naming_service("https", functools.partial(DnsNamingService, scheme="https"))
+register_naming_service("dns", functools.partial(DnsNamingService, scheme="dns"))
+register_naming_service("etcd", EtcdNamingService)

@@ -11,13 +11,17 @@ from __future__ import annotations
 import ipaddress
 import re
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 # Hostnames are kept as given (resolution happens at connect); this only rejects text that no
 # resolver could accept, so a typo fails at Init instead of at the first call.
 _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_.])?")
 _DOTTED = re.compile(r"[0-9.]+")
+
+# Bounded memory: the dynamic naming services (file, dlist, http/dns, etcd) publish at most this
+# many servers per list; the rest are dropped, and the service logs it.
+MAX_SERVERS = 10_000
 
 
 @dataclass(frozen=True, order=True)
@@ -66,6 +70,26 @@ class NamingService(ABC):
 
     async def close(self) -> None:
         """Stop producing lists and release resources."""
+
+
+def unique_servers(nodes: Iterable[ServerNode], limit: int | None = None) -> tuple[list[ServerNode], int]:
+    """The first occurrence of each node, in order, at most `limit` (default `MAX_SERVERS`) of
+    them; and how many entries, not counting repeats of a kept node, were dropped past the limit.
+
+    >>> unique_servers([ServerNode("a", 1), ServerNode("b", 1), ServerNode("a", 1)], limit=1)
+    ([ServerNode(host='a', port=1, tag='')], 1)
+    """
+    limit = MAX_SERVERS if limit is None else limit
+    kept: dict[ServerNode, None] = {}
+    dropped = 0
+    for node in nodes:
+        if node in kept:
+            continue
+        if len(kept) < limit:
+            kept[node] = None
+        else:
+            dropped += 1
+    return list(kept), dropped
 
 
 def split_entry(text: str) -> tuple[str, str] | None:
