@@ -14,17 +14,22 @@ _compiled.install()  # first: AIOBRPC_NO_EXTENSIONS=1 must load the pure sources
 from . import errors
 from .client.backup import BackupRequestPolicy, LatencyQuantileBackupPolicy, RateLimitedBackupPolicy
 from .client.channel import Channel
+from .client.combo import (CallMapper, DynamicPartitionChannel, MergeResult, ParallelChannel, ParallelChannelOptions,
+                           Partition, PartitionChannel, PartitionChannelOptions, PartitionParser, ResponseMerger,
+                           SelectiveChannel, SubCall)
 from .client.retry import FixedBackoffRetryPolicy, JitteredBackoffRetryPolicy, RetryPolicy, RetryThrottle
 from .controller import Controller
 from .errors import LocalProtocolError, RemoteProtocolError, RpcError
 from .options import ChannelOptions, ServerOptions
+from .registration import EtcdRegistration
 from .server.server import Server
 from .stream import Stream, StreamHandler
 from .stub import Servicer, Stub
 from .tls import ClientTlsOptions, ServerTlsOptions
 
 __all__ = [
-    "BackupRequestPolicy", "Channel", "ChannelOptions", "ClientTlsOptions", "Controller", "FixedBackoffRetryPolicy",
+    "BackupRequestPolicy", "Channel", "ChannelOptions", "ClientTlsOptions", "Controller", "EtcdRegistration",
+    "FixedBackoffRetryPolicy",
     "JitteredBackoffRetryPolicy", "LatencyQuantileBackupPolicy", "LocalProtocolError",
     "RateLimitedBackupPolicy", "RemoteProtocolError", "RetryPolicy", "RetryThrottle", "RpcError",
     "Server", "ServerOptions", "ServerTlsOptions", "Servicer", "Stream", "StreamHandler", "Stub", "errors", "event_loop_policy", "implementation",

@@ -100,6 +100,11 @@ class Controller:
             `ChannelOptions.timeout_ms` (-1: none). Server: the time the client had left when it
             sent the request, when it sends one (`deliver_timeout_ms`), else None.
         request_id (str | None): Client: a request id sent in the meta. Server: the request's.
+        request_code (int | None): Client: the key a consistent-hashing load balancer
+            (c_murmurhash, c_md5, c_ketama) places the call by, an int in 0..2**64-1 (those
+            balancers take 0..2**32-1 and fail the call with EINVAL past it, or without one);
+            brpc's set_request_code. Setting a non-int raises TypeError, a negative or too
+            large int ValueError. None (the default): not set.
         max_retry (int | None): Client: overrides `ChannelOptions.max_retry` for this call.
         backup_request_ms (int | None): Client: overrides `ChannelOptions.backup_request_ms`
             for this call.
@@ -211,6 +216,7 @@ class Controller:
     backup_request_ms: int | None = None
     connection_type: str | None = None
     _attempts: list | None = None
+    _sub_controllers: list | None = None  # a combo channel's sub-calls (aiobrpc/client/combo)
     # Streams (aiobrpc/stream.py): offered with the next call (client), offered by the request
     # as (connection, settings) and accepted by the handler (server).
     _streams: list | None = None
@@ -223,7 +229,7 @@ class Controller:
                  request_checksum: bool = False, request_checksum_with_attachment: bool = False,
                  request_attachment: Any = None, idempotent: bool | None = None,
                  backup_request_ms: int | None = None, connection_type: str | None = None,
-                 response_attachment_into: Any = None) -> None:
+                 response_attachment_into: Any = None, request_code: int | None = None) -> None:
         if log_id is not None:
             if not (isinstance(log_id, int) and 0 <= log_id < 1 << 64):
                 raise ValueError(f"log_id must be an int in 0..2**64-1, got {log_id!r}")
@@ -258,6 +264,24 @@ class Controller:
             self.request_attachment = request_attachment
         if response_attachment_into is not None:
             self.response_attachment_into = _writable_bytes(response_attachment_into)
+        if request_code is not None:
+            self.request_code = request_code
+
+    # Kept in the instance __dict__ under its own name, like the other settings (combo
+    # channels copy a controller's settings from there); the property checks what is set.
+    @property
+    def request_code(self) -> int | None:
+        """The call's key for consistent hashing (see the class); None when not set."""
+        return self.__dict__.get("request_code")
+
+    @request_code.setter
+    def request_code(self, code: int | None) -> None:
+        if code is not None:
+            if not isinstance(code, int) or isinstance(code, bool):
+                raise TypeError(f"request_code must be an int in 0..2**64-1, got {type(code).__name__}")
+            if not 0 <= code < 1 << 64:
+                raise ValueError(f"request_code must be an int in 0..2**64-1, got {code}")
+        self.__dict__["request_code"] = code
 
     @property
     def request_checksum(self) -> bool:
@@ -299,6 +323,19 @@ class Controller:
     def response_user_fields(self, value: dict[str, str]) -> None:
         self._response_user_fields = dict(value)
 
+    def sub_count(self) -> int:
+        """Sub-calls of the last call made through a combo channel (0 for a plain channel)."""
+        return len(self._sub_controllers) if self._sub_controllers is not None else 0
+
+    def sub(self, index: int) -> "Controller | None":
+        """The controller of sub-call `index` of a combo channel's call (ParallelChannel,
+        PartitionChannel: one per sub-channel, None for one the mapper skipped; SelectiveChannel:
+        the last one tried); None out of range."""
+        subs = self._sub_controllers
+        if subs is None or not isinstance(index, int) or not 0 <= index < len(subs):
+            return None
+        return subs[index]
+
     @property
     def attempts(self) -> list:
         """One `Attempt` per request sent or tried by the last call: server, correlation id,
@@ -336,7 +373,7 @@ class Controller:
         """Forget the result of a previous call made with this controller."""
         d = self.__dict__
         for name in ("error_code", "error_text", "retried_count", "has_backup_request", "_attempts",
-                     "remote_side", "local_side", "correlation_id", "latency_us"):
+                     "remote_side", "local_side", "correlation_id", "latency_us", "_sub_controllers"):
             d.pop(name, None)
         self._forget_response()
 
