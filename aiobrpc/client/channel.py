@@ -27,6 +27,7 @@ from .deadlines import TimerWheel
 from .connection import ClientStats
 from .lb import create_load_balancer
 from .metrics import MethodTable
+from .naming.follow import follow_naming
 from .naming import ServerNode, create_naming_service, is_naming_url
 from .naming.list import ListNamingService
 from .pool import ServerPool, cancel_on_dead_loop
@@ -155,24 +156,8 @@ class Channel:
         a watch that raises is logged and started again after a backoff (the last list is kept),
         and calls waiting for a first list that did not come are released to fail with ENODATA
         naming the fault."""
-        backoff = NAMING_RETRY_MIN_S
-        while True:
-            try:
-                async for servers in self.naming.watch():
-                    try:
-                        self._set_servers(servers)
-                    except (TypeError, ValueError) as e:
-                        self._naming_failed(f"gave a bad server list: {e}")
-                    else:
-                        backoff = NAMING_RETRY_MIN_S
-            except Exception as e:
-                self._naming_failed(f"failed: {e!r}")
-            else:
-                if not self.pools:
-                    self._naming_failed("stopped with no server listed")
-                return  # a static service: it yielded its list and is done
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, NAMING_RETRY_MAX_S)
+        await follow_naming(self.naming, self._set_servers, self._naming_failed, lambda: bool(self.pools),
+                            NAMING_RETRY_MIN_S, NAMING_RETRY_MAX_S)
 
     def _naming_failed(self, why: str) -> None:
         self._naming_error = f"naming service {self.address} {why}"

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 
 from ...errors import EINVAL, RpcError
+from ..naming.follow import follow_naming
 from ..naming import ListNamingService, ServerNode, create_naming_service, is_naming_url
 
 log = logging.getLogger(__name__)
@@ -85,24 +86,8 @@ class NamingFollower:
             pass
 
     async def _follow(self) -> None:
-        backoff = RETRY_MIN_S
-        while True:
-            try:
-                async for servers in self.naming.watch():
-                    try:
-                        self._deliver(servers)
-                    except (TypeError, ValueError) as e:
-                        self._failed(f"gave a bad server list: {e}")
-                    else:
-                        backoff = RETRY_MIN_S
-            except Exception as e:
-                self._failed(f"failed: {e!r}")
-            else:
-                if not self.has_list:
-                    self._failed("stopped with no server listed")
-                return
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, RETRY_MAX_S)
+        await follow_naming(self.naming, self._deliver, self._failed, lambda: self.has_list,
+                            RETRY_MIN_S, RETRY_MAX_S)
 
     def _failed(self, why: str) -> None:
         self.error = f"naming service {self.url} {why}"

@@ -17,9 +17,9 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from ...errors import EREJECT, RpcError
+from ...errors import ENODATA, EREJECT, RpcError
 from ..naming.base import ServerNode
-from .base import decimal_int
+from .base import LoadBalancer, decimal_int
 
 # brpc's -detect_available_server_interval_ms: how long a count of usable servers is reused.
 DETECT_AVAILABLE_SERVER_INTERVAL_MS = 10
@@ -124,3 +124,41 @@ def recovery_from_params(lb_name: str, params: Mapping[str, str]) -> dict[str, i
     if values and len(values) != len(RECOVERY_PARAMS):
         raise ValueError(f"{lb_name}: give both min_working_instances and hold_seconds, or neither")
     return values
+
+
+class RecoveringLoadBalancer(LoadBalancer):
+    """Base of rr and random, the balancers with cluster recovery: its parameters
+    (`min_working_instances`, `hold_seconds`, from `name:key=value ...` too), the rng both draw
+    from, and the opening of their `select`."""
+
+    name = ""
+
+    def __init__(self, *, min_working_instances: int | None = None,
+                 hold_seconds: int | None = None, rng: random.Random | None = None,
+                 recovery_clock: Callable[[], int] | None = None) -> None:
+        super().__init__()
+        self._rng = rng if rng is not None else random.Random()
+        self._recovery = make_recovery(self.name, min_working_instances, hold_seconds,
+                                       self._rng, recovery_clock)
+        self.min_working_instances = min_working_instances
+        self.hold_seconds = hold_seconds
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, str]):
+        """Build from parsed `name:key=value ...` parameters; ValueError for unknown keys."""
+        return cls(**recovery_from_params(cls.name, params))
+
+    @property
+    def recovering(self) -> bool:
+        """Whether cluster recovery is rejecting calls now (always False without it)."""
+        return self._recovery is not None and self._recovery.recovering
+
+    def _servers_to_walk(self, available: Callable[[ServerNode], bool]) -> tuple[ServerNode, ...]:
+        """The servers to select from: ENODATA for none, EREJECT while recovery sheds the call."""
+        servers = self._servers
+        if not servers:
+            raise RpcError(ENODATA, f"Fail to select server: {self.name} has an empty server list")
+        recovery = self._recovery
+        if recovery is not None and recovery.rejects(servers, available):
+            raise recovery.reject_error(self.name)
+        return servers

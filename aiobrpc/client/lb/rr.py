@@ -11,19 +11,18 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 
-from ...errors import EHOSTDOWN, ENODATA, RpcError
+from ...errors import EHOSTDOWN, RpcError
 from ..naming.base import ServerNode
-from .base import LoadBalancer, always_available
-from .recovery import make_recovery, recovery_from_params
+from .base import always_available
+from .recovery import RecoveringLoadBalancer
 from .stride import STRIDE_PRIMES
 
 __all__ = ["STRIDE_PRIMES", "RoundRobinLoadBalancer"]
 
 
-class RoundRobinLoadBalancer(LoadBalancer):
+class RoundRobinLoadBalancer(RecoveringLoadBalancer):
     """Cycles through all servers, each once per n selections, starting at a random server.
 
     The first selection draws a random offset in [0, n) and a random prime stride; every
@@ -44,38 +43,16 @@ class RoundRobinLoadBalancer(LoadBalancer):
 
     name = "rr"
 
-    def __init__(self, *, min_working_instances: int | None = None,
-                 hold_seconds: int | None = None, rng: random.Random | None = None,
-                 recovery_clock: Callable[[], int] | None = None) -> None:
-        super().__init__()
-        self._rng = rng if rng is not None else random.Random()
-        self._recovery = make_recovery(self.name, min_working_instances, hold_seconds,
-                                       self._rng, recovery_clock)
-        self.min_working_instances = min_working_instances
-        self.hold_seconds = hold_seconds
+    def __init__(self, **recovery) -> None:
+        super().__init__(**recovery)
         self._stride = 0  # 0: not drawn yet (drawn on first selection, as brpc does per thread)
         self._offset = 0
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, str]) -> RoundRobinLoadBalancer:
-        """Build from parsed `rr:key=value ...` parameters; ValueError for unknown keys."""
-        return cls(**recovery_from_params(cls.name, params))
-
-    @property
-    def recovering(self) -> bool:
-        """Whether cluster recovery is rejecting calls now (always False without it)."""
-        return self._recovery is not None and self._recovery.recovering
 
     def select(self, *, excluded: Collection[ServerNode] = (),
                available: Callable[[ServerNode], bool] = always_available,
                request_code: int | None = None) -> ServerNode:
-        servers = self._servers
+        servers = self._servers_to_walk(available)
         n = len(servers)
-        if n == 0:
-            raise RpcError(ENODATA, "Fail to select server: rr has an empty server list")
-        recovery = self._recovery
-        if recovery is not None and recovery.rejects(servers, available):
-            raise recovery.reject_error(self.name)
         if self._stride == 0:
             self._stride = self._rng.choice(STRIDE_PRIMES)
             self._offset = self._rng.randrange(n)
@@ -96,8 +73,8 @@ class RoundRobinLoadBalancer(LoadBalancer):
             self._offset = fallback
             return servers[fallback]
         self._offset = offset
-        if recovery is not None:
-            recovery.start()
+        if self._recovery is not None:
+            self._recovery.start()
         raise RpcError(EHOSTDOWN, f"Fail to select server: none of the {n} servers of rr "
                                   f"is available")
 
