@@ -10,9 +10,11 @@ it, and it uses none of them.
 from __future__ import annotations
 
 import ssl as ssl_module
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .interceptors import checked_interceptors
 from .limiters import make_limiter
 from .tls import ServerTlsOptions, client_context
 
@@ -87,6 +89,20 @@ class ChannelOptions:
             call with ESSL; a channel with TLS never falls back to plaintext.
         ssl_handshake_timeout_ms: The limit of one TLS handshake (ESSL past it); the call's
             deadline still applies.
+        connection_group: Channels (of one event loop) to the same server share its
+            connections, health check and circuit breaker when their connection options are
+            equal; channels of different groups never do (brpc's `connection_group`).
+        interceptors: Async callables `(request, cntl, proceed)` around every call of the
+            channel, the first outermost (`aiobrpc.interceptors` tells the rules).
+        socket_keepalive: TCP keepalive on the channel's connections (brpc's
+            `-socket_keepalive`), so a peer that vanished without a FIN (a host powered off, a
+            NAT that forgot the flow) is found while the connection is idle.
+        socket_keepalive_idle_s, socket_keepalive_interval_s, socket_keepalive_count: Idle
+            seconds before the first probe, seconds between probes, probes unanswered before the
+            connection is dropped (TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT); -1: the system's.
+        tcp_user_timeout_ms: Milliseconds sent data may stay unacknowledged before the kernel
+            drops the connection (TCP_USER_TIMEOUT, Linux; brpc's `-socket_tcp_user_timeout_ms`);
+            -1: the system's.
     """
 
     timeout_ms: int = 500
@@ -120,9 +136,26 @@ class ChannelOptions:
     pool_idle_timeout_s: float = 30.0  # brpc's -idle_timeout_second for pooled connections
     ssl: Any = None  # None/False, True, a tls.ClientTlsOptions or an ssl.SSLContext
     ssl_handshake_timeout_ms: int = 5000
+    connection_group: str = ""  # channels of different groups never share connections
+    interceptors: Sequence = ()  # async (request, cntl, proceed) -> response, first outermost
+    socket_keepalive: bool = False
+    socket_keepalive_idle_s: int = -1  # -1: the system's
+    socket_keepalive_interval_s: int = -1
+    socket_keepalive_count: int = -1
+    tcp_user_timeout_ms: int = -1
 
     def __post_init__(self) -> None:
         _check_ms("timeout_ms", self.timeout_ms)
+        self.interceptors = checked_interceptors("interceptors", self.interceptors)
+        if not isinstance(self.socket_keepalive, bool):
+            raise TypeError(f"socket_keepalive must be a bool, got {self.socket_keepalive!r}")
+        for name in ("socket_keepalive_idle_s", "socket_keepalive_interval_s", "socket_keepalive_count",
+                     "tcp_user_timeout_ms"):
+            v = getattr(self, name)
+            if not _is_int(v) or not (v == -1 or 0 < v <= 0x7FFFFFFF):
+                raise ValueError(f"{name} must be -1 (the system's) or an int in 1..2147483647, got {v!r}")
+        if not isinstance(self.connection_group, str):
+            raise TypeError(f"connection_group must be a str, got {type(self.connection_group).__name__}")
         if not _is_int(self.ssl_handshake_timeout_ms) or self.ssl_handshake_timeout_ms < 1:
             raise ValueError(f"ssl_handshake_timeout_ms must be an int >= 1, got {self.ssl_handshake_timeout_ms!r}")
         client_context(self.ssl)  # TypeError naming what is wrong; files are read when connecting
@@ -316,6 +349,9 @@ class ServerOptions:
         ssl_handshake_timeout_sec: Close a TLS connection whose handshake has not completed
             within this many seconds (asyncio's default would be 60).
         extra: Free-form settings kept with the options; aiobrpc reads none of them.
+        interceptors: Async callables `(request, cntl, proceed)` around every request's
+            handler, the first outermost (`aiobrpc.interceptors` tells the rules); read when
+            the server starts.
     """
 
     max_concurrency: int = 0  # 0 = unlimited
@@ -341,8 +377,10 @@ class ServerOptions:
     force_ssl: bool = False
     ssl_handshake_timeout_sec: float = 5.0
     extra: dict = field(default_factory=dict)
+    interceptors: Sequence = ()  # async (request, cntl, proceed) -> response, first outermost
 
     def __post_init__(self) -> None:
+        self.interceptors = checked_interceptors("interceptors", self.interceptors)
         if self.ssl is not None and not isinstance(self.ssl, (ssl_module.SSLContext, ServerTlsOptions)):
             raise TypeError(f"ssl must be None, a ServerTlsOptions or an ssl.SSLContext, got {type(self.ssl).__name__}")
         if self.force_ssl and self.ssl is None:

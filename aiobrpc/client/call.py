@@ -336,14 +336,16 @@ class Call:
             self._record(att, code)  # a lone successful attempt is described by the controller
         if pool is not None:
             lb_feedback = self.channel._lb_feedback
-            if lb_feedback is not None or pool.breaker is not None:
+            breaker_on = opts.enable_circuit_breaker
+            if lb_feedback is not None or breaker_on:
                 latency_us = (_now_ns() - att.start_ns) // 1000
                 if lb_feedback is not None:
                     try:  # _ask's work, inline: this runs for every reply
                         lb_feedback(pool.node, code, latency_us, self.timeout_ms, self.retried, self.max_retry)
                     except Exception as e:
                         raise CallbackFailed("load_balancer.feedback", e) from None
-                pool.feedback(code, latency_us)
+                if breaker_on:
+                    pool.feedback(code, latency_us)
             if code == ELOGOFF and ev is not None:
                 pool.log_off()
         throttle = opts.retry_throttle
@@ -490,8 +492,9 @@ class Call:
         # server that never answers is isolated (brpc's docs/en/client.md); the load balancer
         # hears it when _complete abandons them.
         now = _now_ns()
+        breaker_on = self.channel.options.enable_circuit_breaker
         for att in (self.current, self.unfinished):
-            if att is not None and att.sent and not att.done and att.pool is not None:
+            if breaker_on and att is not None and att.sent and not att.done and att.pool is not None:
                 att.pool.feedback(ERPCTIMEDOUT, (now - att.start_ns) // 1000)
         cur = self.current
         where = cur.pool.address if cur is not None and cur.pool is not None else self.channel.address

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 
 from google.protobuf.message import EncodeError
 
 from ..controller import Controller
 from ..errors import EFAILEDSOCKET, EHOSTDOWN, EINVAL, ENODATA, EREQUEST, RpcError
+from ..interceptors import chain
 from ..options import ChannelOptions
 from ..protocol import content
 from .call import Call, CallbackFailed
@@ -28,9 +30,10 @@ from .connection import ClientStats
 from .lb import create_load_balancer
 from .metrics import MethodTable
 from .naming.follow import follow_naming
-from .naming import ServerNode, create_naming_service, is_naming_url
+from .naming import NamingService, ServerNode, create_naming_service, is_naming_url
 from .naming.list import ListNamingService
 from .pool import ServerPool, cancel_on_dead_loop
+from .socket_map import SOCKET_MAP, running_loop
 
 _new_controller = object.__new__
 
@@ -55,7 +58,13 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class Channel:
     """A client of one server ("host:port") or of a cluster (a naming-service URL plus
-    `load_balancer`, e.g. "list://10.0.0.1:8000,10.0.0.2:8000" and "rr").
+    `load_balancer`, e.g. "list://10.0.0.1:8000,10.0.0.2:8000" and "rr"; or a `NamingService`
+    object of one's own instead of the URL).
+
+    Channels of the process (of one event loop) to the same server with the same connection
+    options share its connections, health check and circuit breaker, as in C++ brpc: a
+    channel per request costs no connection (client/socket_map.py; `connection_group`
+    in the options keeps them apart).
 
     It connects on the first call (or `connect()`), on the running event loop, and is used
     from one loop at a time. Once that loop has ended (`asyncio.run` returned), a call from a
@@ -73,7 +82,7 @@ class Channel:
     `aiobrpc.client.prometheus.ChannelCollector` exports them (docs/client_resilience.md).
     """
 
-    def __init__(self, address: str, options: ChannelOptions | None = None, *,
+    def __init__(self, address: str | NamingService, options: ChannelOptions | None = None, *,
                  load_balancer: str | None = None) -> None:
         if options is None:
             options = ChannelOptions()
@@ -98,17 +107,22 @@ class Channel:
         self._deadlines: TimerWheel | None = None
         self._backups: TimerWheel | None = None
         self._closed = False
-        if isinstance(address, str) and is_naming_url(address):
+        # A channel dropped without close() lets its servers go when it is collected.
+        self._abandon = weakref.finalize(self, SOCKET_MAP.abandon, self.pools, self.stats)
+        self._abandon.atexit = False
+        if options.interceptors:  # the others' calls go straight to the class's call_method
+            self.call_method = self._intercepted_call
+        if isinstance(address, NamingService) or isinstance(address, str) and is_naming_url(address):
             if not load_balancer:
-                raise ValueError(f"{address!r} is a naming service URL: give load_balancer= too "
+                raise ValueError(f"{address!r} is a naming service: give load_balancer= too "
                                  "(e.g. 'rr'), or pass a plain 'host:port'")
-            self.naming = create_naming_service(address)
+            self.naming = address if isinstance(address, NamingService) else create_naming_service(address)
             self.lb = create_load_balancer(load_balancer)
             if self.lb.wants_feedback:
                 self._lb_feedback = self.lb.attempt_ended
             pools = self.pools
             self._available = lambda node: pools[node].available
-            self.address = address
+            self.address = address if isinstance(address, str) else str(address)
             if isinstance(self.naming, ListNamingService):
                 self._set_servers(list(self.naming.servers))  # static: known at once
         else:
@@ -117,7 +131,7 @@ class Channel:
                                  f"(like 'list://host:port,...'), got {address!r}")
             host, port = parse_address(address)
             node = ServerNode(host, port)
-            self._single = self.pools[node] = ServerPool(node, options, self.stats)
+            self._single = self.pools[node] = SOCKET_MAP.acquire(node, options, self.stats, running_loop())
             self.address = node.address
         self.host, self.port = (self._single.host, self._single.port) if self._single else ("", 0)
 
@@ -140,10 +154,13 @@ class Channel:
             raise ValueError(f"load_balancer.set_servers raised {e!r}") from e
         for node in list(self.pools):
             if node not in wanted:
-                self.pools.pop(node).retire()
+                pool = self.pools.pop(node)
+                if SOCKET_MAP.release(pool, self.stats):
+                    pool.retire()
+        loop = self._loop or running_loop()
         for node in wanted:
             if node not in self.pools:
-                self.pools[node] = ServerPool(node, self.options, self.stats)
+                self.pools[node] = SOCKET_MAP.acquire(node, self.options, self.stats, loop)
         self._naming_error = ""
         self._release_first_list_waiters()
 
@@ -212,11 +229,13 @@ class Channel:
 
     # -- gauges ------------------------------------------------------------------------------
     def pending_calls(self) -> int:
-        """Requests waiting for their reply, over every connection of the channel."""
-        return sum(len(c.pending) for p in self.pools.values() for c in p.connections)
+        """Requests of this channel waiting for their reply, over every connection."""
+        return sum(1 for p in self.pools.values() for c in p.connections for a in list(c.pending.values())
+                   if a.call.channel is self)
 
     def connection_count(self) -> int:
-        """Open connections, over every server of the channel."""
+        """Open connections to the channel's servers (shared with the other channels of the
+        process to the same servers: client/socket_map.py)."""
         return sum(len(p.connections) for p in self.pools.values())
 
     def status(self) -> dict[str, dict]:
@@ -259,8 +278,11 @@ class Channel:
                 await self.naming.close()
             except Exception as e:  # the connections close all the same
                 log.error("naming service %s failed to close: %r", self.address, e, exc_info=e)
-        for pool in list(self.pools.values()):
-            await pool.close()
+        self._abandon.detach()
+        for node in list(self.pools):
+            pool = self.pools.pop(node)
+            if SOCKET_MAP.release(pool, self.stats):
+                await pool.close()
         await asyncio.sleep(0)
 
     def _end_calls(self, err: RpcError) -> None:
@@ -320,6 +342,25 @@ class Channel:
         finally:
             call = None  # the failed future's traceback holds this frame: no cycle to the call
 
+    async def _intercepted_call(self, service_name: str, method_name: str, request, response_class,
+                                cntl: Controller | None = None):
+        """call_method through the options' interceptors (aiobrpc/interceptors.py)."""
+        if cntl is None:
+            cntl = Controller()
+        cntl.service_name = service_name
+        cntl.method_name = method_name
+        call = Channel.call_method.__get__(self)
+
+        async def innermost(req, c):
+            return await call(service_name, method_name, req, response_class, c)
+        try:
+            response = await chain(self.options.interceptors, innermost, response_class)(request, cntl)
+        except RpcError as e:
+            cntl.error_code, cntl.error_text = e.code, e.text
+            raise
+        cntl.error_code, cntl.error_text = 0, ""
+        return response
+
     # -- event loops -------------------------------------------------------------------------
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -337,10 +378,13 @@ class Channel:
         self._loop = loop
         self._deadlines = TimerWheel(loop, Call._timed_out)  # the old loop's (if any) ended with it
         self._backups = TimerWheel(loop, Call._backup_due)
+        pools = self.pools
+        for node, pool in list(pools.items()):
+            pools[node] = SOCKET_MAP.rebind(pool, self.stats, loop)
+        if self._single is not None and pools:
+            self._single = pools[self._single.node]
         if old is None:
             return
-        for pool in self.pools.values():
-            pool.move_to(loop)
         self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} moved to another event loop"))
         if self._watch is not None:
             cancel_on_dead_loop(self._watch)

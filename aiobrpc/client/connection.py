@@ -61,6 +61,29 @@ class ClientStats:
         return f"ClientStats({', '.join(f'{name}={getattr(self, name)}' for name in self.__slots__)})"
 
 
+class SharedStats:
+    """The counters of what several channels share (a server's connections and health check,
+    client/socket_map.py): `shared.name += n` adds n to that counter in the `ClientStats` of
+    every channel sharing it, so each channel's stats tell what its servers did. A counter read
+    here is 0: the sums are the channels'."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self) -> None:
+        self.holders: list[ClientStats] = []
+
+
+def _shared_counter(name: str) -> property:
+    def add(self: SharedStats, value: int) -> None:  # value is 0 + n: `+= n` read 0 first
+        for stats in self.holders:
+            setattr(stats, name, getattr(stats, name) + value)
+    return property(lambda self: 0, add)
+
+
+for _name in ClientStats.__slots__:
+    setattr(SharedStats, _name, _shared_counter(_name))
+
+
 class ClientConnection(FramedConnection):
     """One TCP connection of a channel.
 
@@ -69,7 +92,7 @@ class ClientConnection(FramedConnection):
     unless the attempt removed itself first.
     """
 
-    def __init__(self, stats: ClientStats, max_body_size: int, max_unwritten_bytes: int,
+    def __init__(self, stats: ClientStats | SharedStats, max_body_size: int, max_unwritten_bytes: int,
                  on_closed=None, ctype: str = "single") -> None:
         super().__init__(CLIENT, max_body_size, max_unwritten_bytes)
         self.pending: dict = {}

@@ -13,6 +13,9 @@ breaks (any cause), when a pooled/short connect is refused or unreachable (or ti
 three times in a row), or when the circuit breaker trips. A failed server is unavailable to
 the load balancer (or fails calls fast with EHOSTDOWN when it is the channel's only server)
 until a health check connects to it again.
+
+A pool is shared by every channel of the process (and of one event loop) that talks to the
+same server with the same connection options: client/socket_map.py.
 """
 
 from __future__ import annotations
@@ -29,30 +32,35 @@ from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, ER
 from ..tls import client_context_of
 from ..transport.connect import TlsHandshakeError, open_connection
 from .circuit_breaker import CircuitBreaker
-from .connection import ClientConnection
+from .connection import ClientConnection, SharedStats
 
 log = logging.getLogger(__name__)
 
 SINGLE, POOLED, SHORT = "single", "pooled", "short"
 _CONNECT_TIMEOUTS_AS_UNREACHABLE = 3  # brpc's -connect_timeout_as_unreachable
 _UNREACHABLE = (ECONNREFUSED, ENETUNREACH, EHOSTUNREACH)
+# A connection found with no call in flight at two sweeps this far apart gives its read block
+# back (256 KiB; its next read makes another), so idle connections cost little memory.
+BLOCK_RELEASE_IDLE_S = 1.0
 
 
 class ServerPool:
-    """Connections to `node` ("host:port" and tag) for one channel, and whether it is up."""
+    """Connections to `node` ("host:port" and tag), and whether it is up, for the channels
+    sharing it (`stats.holders`: their counters)."""
 
-    def __init__(self, node, options, stats) -> None:
+    def __init__(self, node, options) -> None:
         self.node = node
         self.host, self.port = node.host, node.port
         self.address = node.address
         self.options = options
-        self.stats = stats
+        self.stats = SharedStats()
+        self.key: tuple = ()  # its place in the socket map: (event loop, node, signature)
         self.available = True
         self.logged_off = False
-        self.breaker = CircuitBreaker(**options.circuit_breaker_options) if options.enable_circuit_breaker else None
-        # Without the circuit breaker option a breaker still times the isolations: every
-        # failure waits the same doubling duration before its first health check, as brpc's circuit breaker does.
-        self._isolation = self.breaker if self.breaker is not None else CircuitBreaker()
+        # Fed by the channels with enable_circuit_breaker (one trip isolates the server for all,
+        # as brpc's breaker is per server); it also times the isolations: every failure waits
+        # the same doubling duration before its first health check, as brpc's does.
+        self.breaker = CircuitBreaker(**options.circuit_breaker_options)
         self.single: ClientConnection | None = None
         self._connecting: asyncio.Task | None = None
         self._idle: list[tuple[ClientConnection, float]] = []
@@ -60,6 +68,8 @@ class ServerPool:
         self.connections: set[ClientConnection] = set()
         self._connect_timeouts = 0
         self._health: asyncio.Task | None = None
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._quiet: set[ClientConnection] = set()  # no call in flight at the last sweep
         self.closed = False
         self.closed_why = ""
 
@@ -156,12 +166,15 @@ class ServerPool:
             if ctype == SINGLE:
                 self._connecting = None
         self._connect_timeouts = 0
+        set_socket_options(conn.transport, self.options)
         if self.closed:
             conn.close()
             raise RpcError(EFAILEDSOCKET, f"Not connecting to {self.address}: {self.closed_why}")
         self.connections.add(conn)
         if ctype == SINGLE:
             self.single = conn
+        if self._sweep_timer is None:
+            self._sweep_timer = loop.call_later(BLOCK_RELEASE_IDLE_S, self._sweep)
         return conn
 
     def _new_connection(self, ctype: str) -> ClientConnection:
@@ -221,6 +234,19 @@ class ServerPool:
     def idle_count(self) -> int:
         return len(self._idle)
 
+    def _sweep(self) -> None:
+        """Idle connections give their read blocks back; runs while the pool has connections."""
+        self._sweep_timer = None
+        quiet = set()
+        for conn in self.connections:
+            if not conn.pending and not conn.streams and not conn.is_closed:
+                if conn in self._quiet:
+                    conn.decoder.reader.rbuf.release()
+                quiet.add(conn)
+        self._quiet = quiet
+        if self.connections:
+            self._sweep_timer = next(iter(self.connections)).loop.call_later(BLOCK_RELEASE_IDLE_S, self._sweep)
+
     def _connection_lost(self, conn: ClientConnection, exc) -> None:
         self.connections.discard(conn)
         if conn is self.single:
@@ -230,9 +256,9 @@ class ServerPool:
 
     # -- health --------------------------------------------------------------------------------
     def feedback(self, error_code: int, latency_us: int) -> None:
-        """One attempt ended (circuit breaker input)."""
+        """One attempt of a channel with enable_circuit_breaker ended (circuit breaker input)."""
         breaker = self.breaker
-        if breaker is not None and not breaker.on_call_end(error_code, latency_us):
+        if not breaker.on_call_end(error_code, latency_us):
             self.stats.breaker_trips += 1
             self.mark_failed(f"circuit breaker of {self.address} isolated it "
                              f"({breaker.isolated_times} times)")
@@ -253,7 +279,7 @@ class ServerPool:
             return
         was_available = self.available
         self.available = False
-        breaker = self._isolation
+        breaker = self.breaker
         breaker.mark_as_broken()
         if abort:
             self.logged_off = False  # failed now, whatever it said before
@@ -298,39 +324,41 @@ class ServerPool:
         self.available = True
         self.logged_off = False
         self.stats.servers_revived += 1
-        self._isolation.reset()
+        self.breaker.reset()
         log.info("server %s is revived", self.address)
 
     # -- event loops ---------------------------------------------------------------------------
     def move_to(self, loop) -> None:
         """The loop of its connections, timers and tasks ended: drop them all; what is needed is
         made anew on `loop` (a down server is health-checked from there)."""
+        checking = self._health is not None
+        self.drop()
+        if checking and not self.closed:
+            self._health = loop.create_task(self._health_check(self.breaker.isolation_duration_ms / 1000))
+
+    def drop(self) -> None:
+        """Forget its connections, timers and tasks, whose event loop has ended."""
         for conn in self.connections:
             conn.drop()
         self.connections.clear()
         self.single = None
         self._idle.clear()
-        checking = self._health is not None
-        for handle in (self._connecting, self._health, self._idle_timer):
+        self._quiet.clear()
+        for handle in (self._connecting, self._health, self._idle_timer, self._sweep_timer):
             if handle is not None:
                 cancel_on_dead_loop(handle)
-        self._connecting = self._health = self._idle_timer = None
-        if checking and not self.closed:
-            self._health = loop.create_task(self._health_check(self._isolation.isolation_duration_ms / 1000))
+        self._connecting = self._health = self._idle_timer = self._sweep_timer = None
 
     # -- closing -------------------------------------------------------------------------------
-    def retire(self) -> None:
-        """The server left the naming service's list: no health checks, no new calls; the
+    def retire(self, why: str = "the server left the naming service's list") -> None:
+        """No channel uses the server any more: no health checks, no new calls; the
         connections close (calls still on them fail over like any broken connection)."""
         self.closed = True
-        self.closed_why = "the server left the naming service's list"
+        self.closed_why = why
         for t in (self._connecting, self._health):
             if t is not None:
                 t.cancel()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        self._idle.clear()
+        self._stop_timers()
         for conn in list(self.connections):
             conn.close()
         self.single = None
@@ -341,10 +369,7 @@ class ServerPool:
         tasks = [t for t in (self._connecting, self._health) if t is not None]
         for t in tasks:
             t.cancel()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        self._idle.clear()
+        self._stop_timers()
         err = RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed")
         for conn in list(self.connections):
             conn.abort(err)
@@ -352,9 +377,42 @@ class ServerPool:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _stop_timers(self) -> None:
+        for handle in (self._idle_timer, self._sweep_timer):
+            if handle is not None:
+                handle.cancel()
+        self._idle_timer = self._sweep_timer = None
+        self._idle.clear()
+        self._quiet.clear()
+
     def __repr__(self) -> str:
         state = "up" if self.available else "logged off" if self.logged_off else "down"
         return f"<ServerPool {self.address} {state} {len(self.connections)} connections>"
+
+
+def set_socket_options(transport, options) -> None:
+    """TCP keepalive and TCP_USER_TIMEOUT as `options` ask; a socket that refuses one is logged
+    and used as it is (the options tune failure detection, they are not needed to talk)."""
+    wanted = []
+    if options.socket_keepalive:
+        wanted.append((socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1))
+        for name, value in (("TCP_KEEPIDLE", options.socket_keepalive_idle_s),
+                            ("TCP_KEEPINTVL", options.socket_keepalive_interval_s),
+                            ("TCP_KEEPCNT", options.socket_keepalive_count)):
+            if value > 0 and hasattr(socket, name):
+                wanted.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    if options.tcp_user_timeout_ms > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+        wanted.append((socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, options.tcp_user_timeout_ms))
+    if not wanted:
+        return
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return
+    for level, name, value in wanted:
+        try:
+            sock.setsockopt(level, name, value)
+        except OSError as e:
+            log.warning("cannot set socket option %s=%s on %s: %s", name, value, sock, e)
 
 
 def cancel_on_dead_loop(handle) -> None:

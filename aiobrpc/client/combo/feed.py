@@ -1,54 +1,29 @@
 """A naming service whose server list its owner sets: how a PartitionChannel gives each
-partition's Channel that partition's servers.
+partition's Channel that partition's servers (a Channel takes a NamingService object as well
+as a URL).
 
-A Channel takes its servers from a naming-service URL; `ServerFeed.url` is one
-(`combo-feed://<name>`), registered while the feed exists, whose watch yields the list that
-`set_servers` set, now and after every change.
-
->>> feed = ServerFeed("demo")
+>>> feed = ServerFeed("partition 0/2 of demo")
 >>> feed.set_servers([ServerNode("10.0.0.1", 80, "0/2")])
->>> create_naming_service(feed.url) is feed
-True
+>>> feed.servers
+(ServerNode(host='10.0.0.1', port=80, tag='0/2'),)
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import weakref
 from collections.abc import AsyncIterator, Iterable
 
-from ..naming import NamingService, ServerNode, register_naming_service
-from ..naming import create_naming_service  # noqa: F401  (the example above)
-
-SCHEME = "combo-feed"
-
-_feeds: weakref.WeakValueDictionary[str, ServerFeed] = weakref.WeakValueDictionary()
-_ids = itertools.count(1)
-_registered = False
-
-
-def _lookup(rest: str) -> ServerFeed:
-    feed = _feeds.get(rest)
-    if feed is None:
-        raise ValueError(f"{SCHEME}://{rest} names no live server feed (they are made by partition channels)")
-    return feed
+from ..naming import NamingService, ServerNode
 
 
 class ServerFeed(NamingService):
     """Server lists set by its owner; `watch()` yields the current list, then each new one."""
 
     def __init__(self, name: str) -> None:
-        global _registered
-        if not _registered:
-            register_naming_service(SCHEME, _lookup)
-            _registered = True
-        self.key = f"{name} #{next(_ids)}"
-        self.url = f"{SCHEME}://{self.key}"
+        self.name = name
         self._servers: tuple[ServerNode, ...] = ()
         self._version = 0
         self._waiters: set[asyncio.Future] = set()
-        _feeds[self.key] = self
 
     @property
     def servers(self) -> tuple[ServerNode, ...]:
@@ -78,5 +53,8 @@ class ServerFeed(NamingService):
                 finally:
                     self._waiters.discard(fut)
 
+    def __str__(self) -> str:
+        return self.name
+
     def __repr__(self) -> str:
-        return f"<ServerFeed {self.url} {len(self._servers)} servers>"
+        return f"<ServerFeed {self.name!r} {len(self._servers)} servers>"

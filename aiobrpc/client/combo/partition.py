@@ -153,7 +153,7 @@ class Partitioning:
     def __init__(self, num_partitions: int, load_balancer: str, options: PartitionChannelOptions, name: str) -> None:
         self.num_partitions = num_partitions
         self.feeds = [ServerFeed(f"partition {i}/{num_partitions} of {name}") for i in range(num_partitions)]
-        self.channels = [Channel(feed.url, options, load_balancer=load_balancer) for feed in self.feeds]
+        self.channels = [Channel(feed, options, load_balancer=load_balancer) for feed in self.feeds]
         self.fail_limit = options.fail_limit
         self.parallel = ParallelChannel(ParallelChannelOptions(timeout_ms=options.timeout_ms,
                                                                fail_limit=options.fail_limit))
