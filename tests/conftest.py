@@ -28,7 +28,7 @@ from tests.helpers.twins import PURE_RUN_ENV, pure_run_of_parent
 _PURE_RUN = pytest.StashKey[tuple]()
 
 # The compiled and pure kernels side by side, and the split into two processes: the parent runs these.
-_PARENT_ONLY = ("test_twins_differential.py", "test_twin_processes.py")
+_PARENT_ONLY = ("test_twins_differential.py", "test_twin_processes.py", "test_typing.py")
 
 settings.register_profile("aiobrpc", suppress_health_check=[HealthCheck.function_scoped_fixture],
                           deadline=None)
