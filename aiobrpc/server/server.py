@@ -23,8 +23,10 @@ from ..protocol import streaming
 from ..stream import streams_failed
 from ..stub import Servicer
 from ..tls import server_context
+from ..transport import memory
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
+from .intercept import intercept
 from .inline import run_inline
 from .dispatch import (Registry, admission_error, error_response, exception_text, handler_failed, limit_error,
                        overcrowded_text, parse_request, request_ended, server_controller, set_failed,
@@ -107,6 +109,7 @@ class Server:
         self.options = options
         self.ssl_context = server_context(options.ssl)  # files are read now: a bad one fails here
         self.registry = Registry()
+        self._intercepted = False  # the handlers are behind options.interceptors
         self.stats = ServerStats()
         self.connections: set[ServerConnection] = set()
         self.concurrency = 0
@@ -157,7 +160,10 @@ class Server:
 
     async def start(self, address: str | int = "127.0.0.1:0") -> None:
         """Listen on `address`: "host:port" (port 0: any free port, then read `port` or
-        `address`), or a port number alone for every interface ("0.0.0.0")."""
+        `address`), or a port number alone for every interface ("0.0.0.0").
+
+        The host "memory.invalid" opens no socket: the server is reached in memory, by a
+        `Channel` of this process and event loop given its `address` (`aiobrpc.testing`)."""
         if self._listener is not None:
             raise RuntimeError("server is already started")
         if isinstance(address, int):
@@ -171,20 +177,18 @@ class Server:
         self.stopping = False
         self.closing_connections = False
         self._cancelling_requests = False
-        self._listener = await loop.create_server(lambda: ServerConnection(self), host, port,
-                                                  reuse_address=True)
-        sockname = self._listener.sockets[0].getsockname()
-        self.host, self.port = sockname[0], sockname[1]
+        self._listener, bound = await _listen(loop, lambda: ServerConnection(self), host, port)
+        self.host, self.port = bound[0], bound[1]
         if self.options.internal_port >= 0:
             try:
-                self._internal_listener = await loop.create_server(
-                    lambda: ServerConnection(self, internal=True), host, self.options.internal_port,
-                    reuse_address=True)
+                self._internal_listener, bound = await _listen(
+                    loop, lambda: ServerConnection(self, internal=True), host, self.options.internal_port)
             except BaseException:
                 self._listener.close()
                 self._listener = None
                 raise
-            self.internal_port = self._internal_listener.sockets[0].getsockname()[1]
+            self.internal_port = bound[1]
+        self._intercept_handlers()
         self.started_at = time.monotonic()
         self._housekeeper = loop.create_task(self._housekeeping())
 
@@ -309,6 +313,20 @@ class Server:
                     conn.close()
                 elif idle >= BLOCK_RELEASE_IDLE_S:
                     conn.decoder.reader.rbuf.release()
+
+    def _intercept_handlers(self) -> None:
+        """Every method's handler behind the options' interceptors, once (a restarted server
+        keeps its chains)."""
+        interceptors = self.options.interceptors
+        if not interceptors or self._intercepted:
+            return
+        self._intercepted = True
+
+        def run_in_pool(handler, request, cntl):
+            return asyncio.get_running_loop().run_in_executor(self._thread_pool(), handler, request, cntl)
+        for methods in self.registry.services.values():
+            for entry in methods.values():
+                intercept(entry, interceptors, run_in_pool)
 
     # -- requests ----------------------------------------------------------------------------
     def _tag(self, conn: ServerConnection) -> str:
@@ -440,6 +458,15 @@ class Server:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self.options.handler_threads, thread_name_prefix="aiobrpc-handler")
         return self._executor
+
+
+async def _listen(loop, protocol_factory, host: str, port: int) -> tuple:
+    """(listener, (host, port) it listens on) for connections made by `protocol_factory`."""
+    if host == memory.MEMORY_HOST:
+        listener = memory.serve(loop, protocol_factory, port)
+        return listener, (host, listener.port)
+    listener = await loop.create_server(protocol_factory, host, port, reuse_address=True)
+    return listener, listener.sockets[0].getsockname()
 
 
 # -- the reply to a request whose handler has returned ----------------------------------------

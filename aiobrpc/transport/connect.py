@@ -17,6 +17,8 @@ import os
 import socket
 import ssl as ssl_module
 
+from . import memory
+
 
 class TlsHandshakeError(Exception):
     """The TLS handshake over a connected socket failed (the reason is the message)."""
@@ -30,8 +32,12 @@ async def open_connection(loop: asyncio.AbstractEventLoop, protocol_factory, hos
     Raises what create_connection raises (OSError, socket.gaierror, UnicodeError for a
     malformed host name) and asyncio.TimeoutError once the time is spent. With `ssl`, the
     TLS handshake follows within `ssl_handshake_timeout` seconds; its failure, whatever the
-    cause, raises TlsHandshakeError.
+    cause, raises TlsHandshakeError. `memory.MEMORY_HOST` connects in memory (transport/memory.py).
     """
+    if host == memory.MEMORY_HOST:
+        if ssl is not None:
+            raise TlsHandshakeError("an in-memory connection has no TLS; leave ChannelOptions.ssl unset")
+        return await memory.connect(loop, protocol_factory, port)
     deadline = None if timeout is None else loop.time() + timeout
     sock = await connect_socket(loop, host, port, deadline)
     try:
