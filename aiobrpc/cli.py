@@ -4,10 +4,13 @@
     aiobrpc call 127.0.0.1:8000 example.EchoService/Echo --proto proto/echo.proto -d '{"message": "hi"}'
     aiobrpc call list://10.0.0.1:8000,10.0.0.2:8000 example.EchoService/Echo --proto proto/echo.proto --lb rr
     aiobrpc serve-echo --port 8000
+    aiobrpc serve my_services.py --port 8000
+    aiobrpc press --proto proto/echo.proto --method example.EchoService/Echo --server 127.0.0.1:8000 \
+        --request '{"message": "hi"}' --qps 1000 --duration 10
 
-Exit status: 0 success, 1 the RPC (or the server) failed, 2 usage error. User errors and a
-failed call are reported in one line, never with a traceback; `call -v` adds what each
-attempt did and the library's log.
+Exit status: 0 success, 1 the RPC (or the server, or a call of `press`) failed, 2 usage
+error. User errors and a failed call are reported in one line, never with a traceback;
+`call -v` adds what each attempt did and the library's log. docs/cli.md tells more.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import argparse
 import array
 import asyncio
+import contextlib
+import json
 import logging
 import math
 import os
@@ -236,13 +241,7 @@ def cmd_call(args) -> int:
     from .cli_proto import ProtoError, compile_proto, find_method
 
     logging.getLogger("aiobrpc").setLevel(logging.INFO if args.verbose else logging.ERROR)
-    naming = is_naming_url(args.address)
-    if args.lb is not None and not naming:
-        raise UsageError(f"--lb needs a naming service ADDR like 'list://host:port,...', got {args.address!r}")
-    try:
-        channel = Channel(args.address, load_balancer=(args.lb or "rr") if naming else None)
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
+    channel = _channel(args.address, args.lb)
     try:
         method = find_method(compile_proto(args.proto, args.include), args.method)
     except ProtoError as e:
@@ -285,6 +284,17 @@ def cmd_call(args) -> int:
     return 0
 
 
+def _channel(address: str, lb_name: str | None, options: ChannelOptions | None = None) -> Channel:
+    """A Channel to `address`, with load balancer `lb_name` (default rr) when it is a naming URL."""
+    naming = is_naming_url(address)
+    if lb_name is not None and not naming:
+        raise UsageError(f"--lb needs a naming service ADDR like 'list://host:port,...', got {address!r}")
+    try:
+        return Channel(address, options, load_balancer=(lb_name or "rr") if naming else None)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
 async def _call(channel: Channel, method, request, cntl: Controller):
     async with channel:
         return await channel.call_method(method.containing_service.full_name, method.name, request,
@@ -319,15 +329,33 @@ def _one_line(e: RpcError) -> str:
     return "".join(out)
 
 
-# -- serve-echo ------------------------------------------------------------------------------
-async def _serve_echo(args) -> int:
-    server = Server(ServerOptions())
-    server.add_service(EchoServiceImpl())
+# -- serving ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _on_stop_signals(loop: asyncio.AbstractEventLoop, handler):
+    """Within: SIGINT and SIGTERM call `handler(signum)` on `loop` instead of ending the process."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        try:
+            loop.add_signal_handler(signum, handler, signum)
+        except NotImplementedError:  # Windows: no loop signal handlers
+            signal.signal(signum, lambda n, _: loop.call_soon_threadsafe(handler, n))
+    try:
+        yield
+    finally:
+        for s in signals:
+            try:
+                loop.remove_signal_handler(s)
+            except NotImplementedError:
+                signal.signal(s, signal.SIG_DFL)
+
+
+async def _serve_until_signal(server: Server, label: str, args) -> int:
+    """Listen on --host/--port, print where, stop gracefully on SIGINT/SIGTERM."""
     host = f"[{args.host}]" if ":" in args.host else args.host
     try:
         await server.start(f"{host}:{args.port}")
     except OSError as e:
-        print(f"aiobrpc serve-echo: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"aiobrpc {args.command}: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     loop = asyncio.get_running_loop()
     stopped = loop.create_future()
@@ -336,30 +364,173 @@ async def _serve_echo(args) -> int:
         if not stopped.done():
             stopped.set_result(signum)
 
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
-        try:
-            loop.add_signal_handler(signum, on_signal, signum)
-        except NotImplementedError:  # Windows: no loop signal handlers
-            signal.signal(signum, lambda n, _: loop.call_soon_threadsafe(on_signal, n))
-    # The bound address (port 0 picks one) on stdout, so scripts and tests can read it.
-    print(f"EchoService listening on {host}:{server.port}", flush=True)
-    try:
+    with _on_stop_signals(loop, on_signal):
+        # The bound address (port 0 picks one) on stdout, so scripts and tests can read it.
+        print(f"{label} listening on {host}:{server.port}", flush=True)
         signum = await stopped
-    finally:
-        for s in signals:
-            try:
-                loop.remove_signal_handler(s)
-            except NotImplementedError:
-                signal.signal(s, signal.SIG_DFL)
     print(f"got {signal.Signals(signum).name}, stopping", file=sys.stderr, flush=True)
     await server.stop()
     await server.join(timeout=5)
     return 0
 
 
+async def _serve_echo(args) -> int:
+    server = Server(ServerOptions())
+    server.add_service(EchoServiceImpl())
+    return await _serve_until_signal(server, "EchoService", args)
+
+
 def cmd_serve_echo(args) -> int:
     return _run(_serve_echo(args))
+
+
+def cmd_serve(args) -> int:
+    from .cli_serve import ServeError, load_servicers
+
+    servicers = []
+    try:
+        for spec in args.modules:
+            servicers.extend(load_servicers(spec))
+    except ServeError as e:
+        raise UsageError(str(e)) from None
+    try:
+        server = Server(ServerOptions(max_concurrency=args.max_concurrency,
+                                      has_builtin_services=not args.no_builtin_services))
+        for servicer in servicers:
+            server.add_service(servicer)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    label = ", ".join(s.SERVICE.full_name for s in servicers)
+    return _run(_serve_until_signal(server, label, args))
+
+
+# -- press -----------------------------------------------------------------------------------
+def cmd_press(args) -> int:
+    from . import press
+    from .cli_proto import ProtoError, compile_proto, find_method
+
+    logging.getLogger("aiobrpc").setLevel(logging.ERROR)  # a server down would log on every call
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: `pip install matplotlib` (or aiobrpc[bench])") from None
+    try:
+        options = ChannelOptions(**{k: v for k, v in (("timeout_ms", args.timeout_ms), ("max_retry", args.max_retry),
+                                                      ("connection_type", args.connection_type)) if v is not None})
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    channel = _channel(args.server, args.lb, options)
+    try:
+        method = find_method(compile_proto(args.proto, args.include), args.method)
+        if args.input is not None:
+            try:
+                with open(args.input, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ProtoError(f"cannot read --input {args.input}: {getattr(e, 'strerror', None) or e}") from None
+            source = f"--input {args.input}"
+        else:
+            text, source = args.request, "--request"
+        requests = press.read_requests(text, message_class(method.input_type), source)
+    except ProtoError as e:
+        raise UsageError(str(e)) from None
+    attachment = os.urandom(args.attachment_size) if args.attachment_size else None
+    qps = args.qps
+    concurrency = args.concurrency or (64 if qps == 0 else 1024)
+    run = press.Press(_press_call(channel, method, attachment), requests, qps=qps, concurrency=concurrency,
+                      duration_s=args.duration, count=args.count)
+    stats = _run(_press(channel, run, args))
+    summary = {"method": f"{method.containing_service.full_name}/{method.name}", "server": args.server,
+               "target_qps": qps, "concurrency": concurrency, **stats.summary()}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(_press_table(summary))
+    if args.plot is not None:
+        try:
+            press.write_plot(stats, args.plot, f"{summary['method']} -> {args.server}: {stats.ok:,} calls ok")
+        except OSError as e:
+            raise UsageError(f"cannot write {args.plot}: {e.strerror or e}") from None
+    return 1 if stats.failed else 0
+
+
+def _press_call(channel: Channel, method, attachment):
+    service, name, response_class = method.containing_service.full_name, method.name, message_class(method.output_type)
+    call_method = channel.call_method
+    if attachment is None:
+        return lambda request: call_method(service, name, request, response_class)
+    return lambda request: call_method(service, name, request, response_class,
+                                       Controller(request_attachment=attachment))
+
+
+async def _press(channel: Channel, run, args):
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    loop = asyncio.get_running_loop()
+    console = Console(stderr=True)
+    live = None
+    if not args.quiet and console.is_terminal:
+        live = Live(Text(""), console=console, transient=True, auto_refresh=False)
+    progress = None if args.quiet else loop.create_task(_progress(run, live))
+    async with channel:
+        with _on_stop_signals(loop, lambda _: run.stop()), live if live is not None else contextlib.nullcontext():
+            try:
+                return await run.run()
+            finally:
+                if progress is not None:
+                    progress.cancel()
+                    await asyncio.gather(progress, return_exceptions=True)
+
+
+async def _progress(run, live) -> None:
+    """Once a second (on the terminal: a live line, else a plain line on stderr): calls, the
+    QPS and mean latency of the last second, failures."""
+    from rich.text import Text
+
+    loop = asyncio.get_running_loop()
+    stats = run.stats
+    lat = stats.latency
+    last_t, last_calls, last_ok, last_sum = loop.time(), 0, 0, 0
+    while True:
+        await asyncio.sleep(1)
+        now = loop.time()
+        calls, ok, sum_ns = stats.calls, lat.count, lat.sum_ns
+        mean = f"{(sum_ns - last_sum) / (ok - last_ok) / 1000:,.0f} us" if ok > last_ok else "-"
+        qps = (calls - last_calls) / (now - last_t)
+        line = (f"{now - run.start_time:6.1f} s  {calls:>10,} calls  {qps:>9,.0f} QPS  mean {mean}  "
+                f"failed {stats.failed:,}" + (f"  skipped {stats.skipped:,}" if stats.skipped else ""))
+        if live is not None:
+            live.update(Text(line), refresh=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        last_t, last_calls, last_ok, last_sum = now, calls, ok, sum_ns
+
+
+def _press_table(summary: dict):
+    from rich.table import Table
+
+    table = Table(title="aiobrpc press", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    target = f" (target {summary['target_qps']:,g})" if summary["target_qps"] else ""
+    rows = [("method", summary["method"]), ("server", summary["server"]), ("calls", f"{summary['calls']:,}"),
+            ("ok", f"{summary['ok']:,}"), ("failed", f"{summary['failed']:,}")]
+    if summary["skipped"]:
+        rows.append(("skipped", f"{summary['skipped']:,}"))
+    rows += [("duration", f"{summary['elapsed_s']:.2f} s"), ("QPS", f"{summary['qps']:,.1f}{target}"),
+             ("concurrency", f"{summary['concurrency']:,}")]
+    for name, us in summary["latency_us"].items():
+        rows.append((f"latency {name}", "-" if us is None else f"{us:,.0f} us"))
+    for e in summary["errors"]:
+        rows.append((f"E{e['code']} {e['name'] or ''}".rstrip(), f"{e['count']:,}  {e['text']}"))
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -383,6 +554,18 @@ def _positive_seconds(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _float_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not low <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
+        return value
+    return parse
 
 
 def _load_balancer(text: str) -> str:
@@ -450,6 +633,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default 8000; 0 = any free)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.set_defaults(func=cmd_serve_echo)
+
+    p = sub.add_parser("serve", help="serve the servicers of a Python module until SIGINT/SIGTERM",
+                       description="Import MODULE (a .py file or a dotted name) and serve its aiobrpc.Servicer "
+                                   "subclasses (every one defined there, made with no argument, or those named "
+                                   "after ':') until SIGINT or SIGTERM, then stop gracefully.")
+    p.add_argument("modules", nargs="+", metavar="MODULE[:ATTR[,ATTR]]",
+                   help="path/to/services.py or pkg.services, optionally :Servicer names (classes or instances)")
+    p.add_argument("--port", type=_int_in(0, 65535), default=8000, help="port (default 8000; 0 = any free)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--max-concurrency", type=_int_in(0), default=0,
+                   help="requests handled at once; more are answered ELIMIT (default 0: no limit)")
+    p.add_argument("--no-builtin-services", action="store_true",
+                   help="do not serve the builtin HTTP pages (/status, /vars, ...) on the port")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("press", help="load a server with calls of one method; print QPS, latency, errors",
+                       description="Call METHOD of the server with the JSON requests (round robin) at a fixed "
+                                   "QPS or as fast as possible, for a duration or a number of calls (neither: "
+                                   "until SIGINT/SIGTERM); print the latency percentiles and the errors by "
+                                   "code. Exit status 1 when a call failed.")
+    p.add_argument("--proto", required=True, help=".proto file defining the service")
+    p.add_argument("-I", "--proto-path", dest="include", action="append", default=[], metavar="DIR",
+                   help="import directory (repeatable; default: the directory of --proto)")
+    p.add_argument("--method", required=True, help="package.Service/Method")
+    p.add_argument("--server", required=True, metavar="ADDR",
+                   help="host:port, [ipv6]:port, or a naming service URL such as list://host:port,host:port")
+    p.add_argument("--lb", type=_load_balancer, default=None, metavar="NAME",
+                   help=f"load balancer of a naming service ADDR: {', '.join(_load_balancers())} (default rr)")
+    requests = p.add_mutually_exclusive_group()
+    requests.add_argument("--input", metavar="FILE",
+                          help="JSON requests: an array, or one object per line (or one after another)")
+    requests.add_argument("--request", default="{}", help="one request as JSON (default {})")
+    p.add_argument("--qps", type=_float_at_least(0), default=0,
+                   help="calls started per second, on a fixed schedule (default 0: as fast as possible)")
+    p.add_argument("--concurrency", type=_int_in(1), default=None,
+                   help="most calls in flight (default 64; 1024 with --qps)")
+    p.add_argument("--duration", type=_positive_seconds, default=None, help="seconds to run")
+    p.add_argument("--count", type=_int_in(1), default=None, help="calls to make")
+    p.add_argument("--timeout-ms", type=_int_in(-1, 2**31 - 1), default=None,
+                   help="timeout of each call, -1 for none (default 500)")
+    p.add_argument("--max-retry", type=_int_in(0, 1000), default=None, help="retries of a failed call (default 3)")
+    p.add_argument("--connection-type", choices=("single", "pooled", "short"), default=None,
+                   help="connections to the server (default single)")
+    p.add_argument("--attachment-size", type=_int_in(0, 2**31 - 1), default=0,
+                   help="bytes of random attachment sent with each request (default 0)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="write a histogram of the latencies (needs matplotlib)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
+    p.set_defaults(func=cmd_press)
     return parser
 
 
