@@ -26,4 +26,5 @@ def test_torchrun_world_of_three_over_aiobrpc(twin):
            str(SCRIPTS / "torch_world.py")]
     run = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.split() == ["ok"] * 3, run.stdout
+    # Three processes print "ok\n" to one pipe: their writes may interleave ("okok\n\n").
+    assert run.stdout.count("ok") == 3 and not run.stdout.replace("ok", "").strip(), run.stdout
