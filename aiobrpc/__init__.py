@@ -24,15 +24,17 @@ from .options import ChannelOptions, ServerOptions
 from .registration import EtcdRegistration
 from .server.server import Server
 from .stream import Stream, StreamHandler
-from .stub import Servicer, Stub
+from .stub import RpcChannel, Servicer, Stub
 from .tls import ClientTlsOptions, ServerTlsOptions
 
 __all__ = [
-    "BackupRequestPolicy", "Channel", "ChannelOptions", "ClientTlsOptions", "Controller", "EtcdRegistration",
-    "FixedBackoffRetryPolicy",
-    "JitteredBackoffRetryPolicy", "LatencyQuantileBackupPolicy", "LocalProtocolError",
-    "RateLimitedBackupPolicy", "RemoteProtocolError", "RetryPolicy", "RetryThrottle", "RpcError",
-    "Server", "ServerOptions", "ServerTlsOptions", "Servicer", "Stream", "StreamHandler", "Stub", "errors", "event_loop_policy", "implementation",
+    "BackupRequestPolicy", "CallMapper", "Channel", "ChannelOptions", "ClientTlsOptions", "Controller",
+    "DynamicPartitionChannel", "EtcdRegistration", "FixedBackoffRetryPolicy", "JitteredBackoffRetryPolicy",
+    "LatencyQuantileBackupPolicy", "LocalProtocolError", "MergeResult", "ParallelChannel",
+    "ParallelChannelOptions", "Partition", "PartitionChannel", "PartitionChannelOptions", "PartitionParser",
+    "RateLimitedBackupPolicy", "RemoteProtocolError", "ResponseMerger", "RetryPolicy", "RetryThrottle",
+    "RpcChannel", "RpcError", "SelectiveChannel", "Server", "ServerOptions", "ServerTlsOptions", "Servicer",
+    "Stream", "StreamHandler", "Stub", "SubCall", "errors", "event_loop_policy", "implementation",
 ]
 __version__ = "0.1.0"
 

@@ -8,12 +8,29 @@ Any generated `_pb2` module works; no code generation is needed.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
+
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
+
+if TYPE_CHECKING:
+    from .controller import Controller
 
 
 def message_class(descriptor):
     return message_factory.GetMessageClass(descriptor)
+
+
+class RpcChannel(Protocol):
+    """What a stub calls: `aiobrpc.Channel`, the combo channels (ParallelChannel,
+    SelectiveChannel, PartitionChannel, DynamicPartitionChannel) and any object of yours with
+    this `call_method`; the type of generated stubs' `channel`."""
+
+    def call_method(self, service_name: str, method_name: str, request: Any, response_class: Any,
+                    cntl: Controller | None = None, /) -> Awaitable[Any]:
+        """Call `service_name`/`method_name` with `request`; the response, a `response_class`."""
+        ...
 
 
 class _Method:

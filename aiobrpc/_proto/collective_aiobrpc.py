@@ -20,7 +20,7 @@ class CollectiveStub:
 
     __slots__ = ("channel",)
 
-    def __init__(self, channel: aiobrpc.Channel) -> None:
+    def __init__(self, channel: aiobrpc.RpcChannel) -> None:
         self.channel = channel
 
     async def Segment(self, request: collective_pb2.SegmentRequest,

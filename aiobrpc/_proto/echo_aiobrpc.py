@@ -20,7 +20,7 @@ class EchoServiceStub:
 
     __slots__ = ("channel",)
 
-    def __init__(self, channel: aiobrpc.Channel) -> None:
+    def __init__(self, channel: aiobrpc.RpcChannel) -> None:
         self.channel = channel
 
     async def Echo(self, request: echo_pb2.EchoRequest,

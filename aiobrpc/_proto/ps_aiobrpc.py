@@ -20,7 +20,7 @@ class ParameterServerStub:
 
     __slots__ = ("channel",)
 
-    def __init__(self, channel: aiobrpc.Channel) -> None:
+    def __init__(self, channel: aiobrpc.RpcChannel) -> None:
         self.channel = channel
 
     async def Init(self, request: ps_pb2.InitRequest,

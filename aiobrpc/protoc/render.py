@@ -97,7 +97,7 @@ def _stub(service: Service, sync: bool) -> list[str]:
         cls, channel, call = f"{service.name}SyncStub", "aiobrpc.sync.Channel", "self.channel.call_method"
         summary = f"Calls {service.full_name} on an `aiobrpc.sync.Channel`; each method blocks until the response."
     else:
-        cls, channel, call = f"{service.name}Stub", "aiobrpc.Channel", "await self.channel.call_method"
+        cls, channel, call = f"{service.name}Stub", "aiobrpc.RpcChannel", "await self.channel.call_method"
         summary = f"Calls {service.full_name} on an `aiobrpc.Channel`: `await stub.Method(request, cntl)`."
     out = [f"class {cls}:", *_class_docstring(summary, service.comment), "",
            '    __slots__ = ("channel",)', "",

@@ -40,6 +40,12 @@ async def probe(channel: aiobrpc.Channel) -> None:
     await stub.Echo(echo_pb2.EchoRequest(message="a"), cntl=7)  # type: ignore[arg-type]
 
 
+def combo_probe(parallel: aiobrpc.ParallelChannel, selective: aiobrpc.SelectiveChannel) -> None:
+    echo_aiobrpc.EchoServiceStub(parallel)  # any aiobrpc.RpcChannel
+    echo_aiobrpc.EchoServiceStub(selective)
+    echo_aiobrpc.EchoServiceStub(object())  # type: ignore[arg-type]
+
+
 class WrongRequest(echo_aiobrpc.EchoServiceServicer):
     async def Echo(self, request: echo_pb2.EchoResponse, cntl: aiobrpc.Controller) -> echo_pb2.EchoResponse:  # type: ignore[override]
         return request
