@@ -262,7 +262,8 @@ class Channel:
 
     # -- closing -----------------------------------------------------------------------------
     async def close(self) -> None:
-        """Close every connection; calls in flight fail at once with EFAILEDSOCKET (no retry)."""
+        """End the channel: its calls in flight fail at once with EFAILEDSOCKET (no retry), and
+        the connections of its servers close unless another channel still uses them."""
         self._running_loop()
         self._closed = True
         self._end_calls(RpcError(EFAILEDSOCKET, f"Channel to {self.address} was closed"))
