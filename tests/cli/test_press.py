@@ -101,6 +101,18 @@ def test_plot_writes_a_png(echo_address, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_matplotlib_is_a_usage_error_before_any_call(echo_address, tmp_path):
+    # matplotlib hidden (an import of it raises ImportError), as where it is not installed.
+    code = ("import sys; sys.modules['matplotlib'] = None; from aiobrpc.cli import main; "
+            f"sys.argv = ['aiobrpc', 'press', *{list(ECHO)!r}, '--server', {echo_address!r}, "
+            f"'--request', '{{\"message\": \"hi\"}}', '--count', '5', '--plot', {str(tmp_path / 'x.png')!r}]; "
+            "sys.exit(main())")
+    done = subprocess.run([sys.executable, "-c", code], env=cli_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=30)
+    assert_usage_error(done, "press", "--plot needs matplotlib: `pip install matplotlib`")
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_sigint_ends_an_unbounded_run_with_the_figures(echo_address):
     proc = subprocess.Popen([sys.executable, "-m", "aiobrpc", "press", *ECHO, "--server", echo_address,
                              "--request", '{"message": "hi"}', "--qps", "100", "--json"], env=cli_env(), cwd=ROOT,
