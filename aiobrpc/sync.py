@@ -41,11 +41,8 @@ _EXITING = "the interpreter is exiting: aiobrpc's background event loop has stop
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    from . import event_loop_policy  # aiobrpc's default loop: uvloop's when installed
+    return event_loop_policy().new_event_loop()
 
 
 class _Submitted:
