@@ -303,14 +303,15 @@ def test_python_m_aiobrpc_protoc_end_to_end(tmp_path):
         assert typing.get_type_hints(orders_aiobrpc.OrdersServicer.Nothing)["return"] is money_pb2.Money.Currency
         assert orders_aiobrpc.OrdersServicer.SERVICE.full_name == "shop.Orders"
         assert not hasattr(orders_aiobrpc.OrdersStub, "Watch")
-        print(orders_aiobrpc.OrdersStub.__doc__)
-        print(orders_aiobrpc.OrdersStub.Place.__doc__)
+        import inspect  # getdoc: 3.13 strips docstrings' indentation when compiling, earlier ones do not
+        print(inspect.getdoc(orders_aiobrpc.OrdersStub))
+        print(inspect.getdoc(orders_aiobrpc.OrdersStub.Place))
     """)
     run = subprocess.run([sys.executable, "-c", check], cwd=out, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [
         "Calls shop.Orders on an `aiobrpc.Channel`: `await stub.Method(request, cntl)`.", "",
-        "    Takes orders.", '    Second line with a "quote" and a \\backslash.', "    ", "Places one order."]
+        "Takes orders.", 'Second line with a "quote" and a \\backslash.', "Places one order."]
 
 
 def test_plugin_errors_reach_protoc_and_its_exit_status(tmp_path):
