@@ -28,11 +28,12 @@ from tests.helpers.twins import PURE_RUN_ENV, pure_run_of_parent
 _PURE_RUN = pytest.StashKey[tuple]()
 
 # The compiled and pure kernels side by side, and the split into two processes: the parent runs these.
-_PARENT_ONLY = ("test_twins_differential.py", "test_twin_processes.py", "test_typing.py")
-# Code over the call path that does not depend on the twin (the command line's tools, the stub
-# generator, the blocking facade) runs once, in the parent: the call path under it is tested on
-# both twins by the rest of the suite, and the suite's time stays under its limit.
-_PARENT_ONLY_DIRS = ("cli", "tools", "sync")
+_PARENT_ONLY = ("test_twins_differential.py", "test_twin_processes.py")
+# Code that does not depend on the twin (the command line's tools, the stub generator and its
+# mypy run, the blocking facade, the sans-IO gRPC codec, the docs) runs once: in the pure
+# child when there is one, since the compiled parent is the longer of the two processes, else
+# here. The call path under it is tested on both twins by the rest of the suite.
+_ONCE_DIRS = ("cli", "tools", "sync", "grpc", "docs")
 
 settings.register_profile("aiobrpc", suppress_health_check=[HealthCheck.function_scoped_fixture],
                           deadline=None)
@@ -46,17 +47,20 @@ def twin(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not pure_run_of_parent():
+    if pure_run_of_parent():
+        dropped = [item for item in items if item.path.name in _PARENT_ONLY]
+    elif config.stash.get(_PURE_RUN, None) is not None:  # the pure child runs beside this process
+        dropped = [item for item in items if _run_once(item)]
+    else:
         return
-    parent_only = [item for item in items if _parent_only(item)]
-    if parent_only:
-        items[:] = [item for item in items if not _parent_only(item)]
-        config.hook.pytest_deselected(items=parent_only)
+    if dropped:
+        ids = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in ids]
+        config.hook.pytest_deselected(items=dropped)
 
 
-def _parent_only(item) -> bool:
-    return item.path.name in _PARENT_ONLY or (item.path.parent.name in _PARENT_ONLY_DIRS
-                                              and item.path.parent.parent.name == "tests")
+def _run_once(item) -> bool:
+    return item.path.parent.name in _ONCE_DIRS and item.path.parent.parent.name == "tests"
 
 
 def pytest_addoption(parser):

@@ -3,8 +3,8 @@ generated stubs (aiobrpc/_proto/echo_aiobrpc.py, echo_pb2.pyi), and so do the ge
 modules; a probe checked in the same run asserts the types the stubs give, so a stub left
 untyped (or typed Any) fails here.
 
-One mypy run for all of it (mypy is slow to start), in the parent process only
-(tests/conftest.py: _PARENT_ONLY): types do not depend on the twin.
+One mypy run for all of it (mypy is slow to start), in one of the two processes only
+(tests/conftest.py: _ONCE_DIRS): types do not depend on the twin.
 """
 
 from __future__ import annotations
