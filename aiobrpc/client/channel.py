@@ -111,6 +111,7 @@ class Channel:
         self._abandon = weakref.finalize(self, SOCKET_MAP.abandon, self.pools, self.stats)
         self._abandon.atexit = False
         if options.interceptors:  # the others' calls go straight to the class's call_method
+            self._plain_call = Channel.call_method.__get__(self)
             self.call_method = self._intercepted_call
         if isinstance(address, NamingService) or isinstance(address, str) and is_naming_url(address):
             if not load_balancer:
@@ -350,7 +351,7 @@ class Channel:
             cntl = Controller()
         cntl.service_name = service_name
         cntl.method_name = method_name
-        call = Channel.call_method.__get__(self)
+        call = self._plain_call
 
         async def innermost(req, c):
             return await call(service_name, method_name, req, response_class, c)
