@@ -19,6 +19,9 @@ from .limiters import make_limiter
 from .tls import ServerTlsOptions, client_context
 
 CONNECTION_TYPES = ("single", "pooled", "short")
+# ChannelOptions.protocol values, and brpc's spellings of them.
+PROTOCOLS = ("baidu_std", "grpc")
+_PROTOCOL_ALIASES = {"h2:grpc": "grpc"}
 
 
 @dataclass
@@ -103,6 +106,11 @@ class ChannelOptions:
         tcp_user_timeout_ms: Milliseconds sent data may stay unacknowledged before the kernel
             drops the connection (TCP_USER_TIMEOUT, Linux; brpc's `-socket_tcp_user_timeout_ms`);
             -1: the system's.
+        protocol: "baidu_std" (brpc's own) or "grpc" (brpc's "h2:grpc" is accepted and becomes
+            "grpc"): gRPC over HTTP/2 to any gRPC server, each call an HTTP/2 stream, with the
+            same deadlines, retries, backup requests and load balancing; TLS offers ALPN "h2".
+            gRPC carries the request message only: a call with a request attachment or
+            streams fails with EREQUEST (docs/grpc.md, "Client").
     """
 
     timeout_ms: int = 500
@@ -143,9 +151,15 @@ class ChannelOptions:
     socket_keepalive_interval_s: int = -1
     socket_keepalive_count: int = -1
     tcp_user_timeout_ms: int = -1
+    protocol: str = "baidu_std"  # or "grpc" (brpc's "h2:grpc")
 
     def __post_init__(self) -> None:
         _check_ms("timeout_ms", self.timeout_ms)
+        if not isinstance(self.protocol, str):
+            raise TypeError(f"protocol must be a str, got {type(self.protocol).__name__}")
+        self.protocol = _PROTOCOL_ALIASES.get(self.protocol, self.protocol)
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS} (or brpc's 'h2:grpc'), got {self.protocol!r}")
         self.interceptors = checked_interceptors("interceptors", self.interceptors)
         if not isinstance(self.socket_keepalive, bool):
             raise TypeError(f"socket_keepalive must be a bool, got {self.socket_keepalive!r}")
@@ -352,6 +366,11 @@ class ServerOptions:
         interceptors: Async callables `(request, cntl, proceed)` around every request's
             handler, the first outermost (`aiobrpc.interceptors` tells the rules); read when
             the server starts.
+        grpc_health: Serve the standard gRPC health service (`grpc.health.v1.Health`: Check,
+            List, Watch) to gRPC clients: every service SERVING, and the whole server ("")
+            too, until the server stops (docs/grpc.md).
+        grpc_reflection: Serve gRPC server reflection (`grpc.reflection.v1alpha` and `v1`), so
+            that tools such as grpcurl list the services and read their .proto definitions.
     """
 
     max_concurrency: int = 0  # 0 = unlimited
@@ -378,9 +397,14 @@ class ServerOptions:
     ssl_handshake_timeout_sec: float = 5.0
     extra: dict = field(default_factory=dict)
     interceptors: Sequence = ()  # async (request, cntl, proceed) -> response, first outermost
+    grpc_health: bool = False
+    grpc_reflection: bool = False
 
     def __post_init__(self) -> None:
         self.interceptors = checked_interceptors("interceptors", self.interceptors)
+        for name in ("grpc_health", "grpc_reflection"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.ssl is not None and not isinstance(self.ssl, (ssl_module.SSLContext, ServerTlsOptions)):
             raise TypeError(f"ssl must be None, a ServerTlsOptions or an ssl.SSLContext, got {type(self.ssl).__name__}")
         if self.force_ssl and self.ssl is None:

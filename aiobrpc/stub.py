@@ -87,6 +87,18 @@ class Servicer:
     ...     SERVICE = echo_pb2.DESCRIPTOR.services_by_name["EchoService"]
     ...     async def Echo(self, request, cntl):
     ...         return echo_pb2.EchoResponse(message=request.message)
+
+    Streaming rpcs, served to gRPC clients (docs/grpc.md), take the shape of their rpc:
+    `rpc M(A) returns (stream B)` is an async generator `async def M(self, request, cntl)`
+    that yields each response; `rpc M(stream A) returns (B)` is `async def M(self, requests,
+    cntl)` returning the response, where `requests` is an async iterator of the request
+    messages (`async for`, or `await requests.read()`, None after the last); and
+    `rpc M(stream A) returns (stream B)` an async generator taking `requests`.
+
+    >>> class Chat(Servicer):  # doctest: +SKIP
+    ...     async def Talk(self, requests, cntl):
+    ...         async for line in requests:
+    ...             yield chat_pb2.Line(text=line.text.upper())
     """
 
     SERVICE: ServiceDescriptor

@@ -33,6 +33,7 @@ from ..protocol import baidu_std, content, streaming
 from ..stream import connect_streams, streams_failed
 from ..tracing import current as _current_span
 from ..tracing import new_id as new_trace_id
+from .grpc_connection import GrpcConnection
 from .pool import SINGLE
 from .retry import NEVER_RETRIED, RetryPolicy, retry_allowed
 
@@ -233,6 +234,9 @@ class Call:
             # request would be dropped and the attempt left waiting until the deadline.
             self._ended(att, None, RpcError(
                 EFAILEDSOCKET, f"Connection to {conn.peer} was lost before the request was sent"))
+            return
+        if type(conn) is GrpcConnection:  # ChannelOptions(protocol="grpc"): the request is an HTTP/2 stream
+            conn.send_call(self, att)
             return
         if not conn.writable():
             self._ended(att, None, RpcError(

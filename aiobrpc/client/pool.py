@@ -26,6 +26,7 @@ import inspect
 import logging
 import os
 import socket
+import ssl
 
 from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, EREQUEST, ERPCTIMEDOUT, ESSL,
                       ETIMEDOUT, RpcError)
@@ -33,10 +34,12 @@ from ..tls import client_context_of
 from ..transport.connect import TlsHandshakeError, open_connection
 from .circuit_breaker import CircuitBreaker
 from .connection import ClientConnection, SharedStats
+from .grpc_connection import GrpcConnection
 
 log = logging.getLogger(__name__)
 
 SINGLE, POOLED, SHORT = "single", "pooled", "short"
+GRPC = "grpc"  # ChannelOptions.protocol of a channel whose connections speak gRPC (client/grpc_connection.py)
 _CONNECT_TIMEOUTS_AS_UNREACHABLE = 3  # brpc's -connect_timeout_as_unreachable
 _UNREACHABLE = (ECONNREFUSED, ENETUNREACH, EHOSTUNREACH)
 # A connection found with no call in flight at two sweeps this far apart gives its read block
@@ -117,6 +120,8 @@ class ServerPool:
         if ctx is None:
             return ()
         opts = self.options
+        if opts.protocol == GRPC and not isinstance(opts.ssl, ssl.SSLContext):
+            ctx.set_alpn_protocols(["h2"])  # a context of ours; a user's SSLContext is used as it is
         limit = opts.ssl_handshake_timeout_ms / 1000
         if deadline is not None:  # the call's deadline bounds the handshake too (at least 1 ms)
             limit = max(min(limit, deadline - loop.time()), 0.001)
@@ -179,6 +184,8 @@ class ServerPool:
 
     def _new_connection(self, ctype: str) -> ClientConnection:
         opts = self.options
+        if opts.protocol == GRPC:
+            return GrpcConnection(self.stats, opts, self.address, self._connection_lost, ctype)
         conn = ClientConnection(self.stats, opts.max_body_size, opts.max_unwritten_bytes, self._connection_lost,
                                 ctype)
         conn.peer = self.address  # until the transport tells the peer's own address
@@ -239,7 +246,7 @@ class ServerPool:
         self._sweep_timer = None
         quiet = set()
         for conn in self.connections:
-            if not conn.pending and not conn.streams and not conn.is_closed:
+            if not conn.pending and not conn.streams and not conn.is_closed and type(conn) is ClientConnection:
                 if conn in self._quiet:
                     conn.decoder.reader.rbuf.release()
                 quiet.add(conn)

@@ -27,9 +27,9 @@ from .connection import ClientStats
 from .pool import ServerPool
 
 # Read by a pool for its connections: equal values, or the same objects, to share one.
-_CONNECTION_OPTIONS = ("connection_group", "ssl", "ssl_handshake_timeout_ms", "auth", "connect_timeout_ms",
-                       "max_body_size", "max_unwritten_bytes", "max_connection_pool_size", "pool_idle_timeout_s",
-                       "health_check_interval_s", "health_check_timeout_ms", "socket_keepalive",
+_CONNECTION_OPTIONS = ("protocol", "connection_group", "ssl", "ssl_handshake_timeout_ms", "auth",
+                       "connect_timeout_ms", "max_body_size", "max_unwritten_bytes", "max_connection_pool_size",
+                       "pool_idle_timeout_s", "health_check_interval_s", "health_check_timeout_ms", "socket_keepalive",
                        "socket_keepalive_idle_s", "socket_keepalive_interval_s", "socket_keepalive_count",
                        "tcp_user_timeout_ms")
 

@@ -13,6 +13,7 @@ from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
 from . import detect
 from .dispatch import attachment_destination, auth_failure_response
+from .grpc.session import H2Session
 from .http import HttpSession
 from .tls_layer import TlsLayer
 
@@ -41,7 +42,7 @@ class ServerConnection(FramedConnection):
         self.last_active = self.opened_at = self.loop.time()
         self._first_frame_timer = None
         self.protocol: str | None = None  # named by the first bytes (detect.py)
-        self.http: HttpSession | None = None
+        self.http: HttpSession | H2Session | None = None  # the session of HTTP/1.1 or HTTP/2, once detected
         self.tls: TlsLayer | None = None  # set once the connection turned out to speak TLS
         if server.registry.places:
             self.receive_attachments_into(self._attachment_destination)
@@ -105,17 +106,19 @@ class ServerConnection(FramedConnection):
             self.abort()
             return
         self.protocol = proto
-        if proto == detect.HTTP:
+        if proto == detect.HTTP or proto == detect.H2:
             if self._first_frame_timer is not None:  # the HTTP session times the request head
                 self._first_frame_timer.cancel()
                 self._first_frame_timer = None
-            self.http = HttpSession(self)
+            if proto == detect.HTTP:
+                self.http = HttpSession(self)
+            else:
+                self.http = H2Session(self)  # which reads the preface itself
             self.http.data_received(bytes(rbuf.take(rbuf.available())))
             return
-        if proto in (detect.TLS, detect.H2):
+        if proto == detect.TLS:
             self.protocol = detect.UNKNOWN
-            what = ("TLS inside TLS" if self.tls is not None else "TLS, which this server has no certificate for"
-                    ) if proto == detect.TLS else "HTTP/2, which this server does not serve"
+            what = "TLS inside TLS" if self.tls is not None else "TLS, which this server has no certificate for"
             _detect_log(logging.WARNING, "closing connection from %s: it speaks %s", self.peer, what)
             self.server.stats.count_close("unknown_protocol")
             self.abort()
@@ -262,6 +265,11 @@ class ServerConnection(FramedConnection):
         self.decoder.reader.rbuf.clear()
         if self.transport is not None:
             self.transport.pause_reading()
+
+    def close(self, reason: BaseException | None = None) -> None:
+        if type(self.http) is H2Session and not self.is_closed:
+            self.http.goaway()  # HTTP/2 peers learn that no new stream will be served
+        super().close(reason)
 
     def stream_table(self) -> StreamTable:
         if self.streams is None:

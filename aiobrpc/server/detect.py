@@ -1,9 +1,9 @@
 """Which protocol a new connection speaks, from its first bytes (brpc tries its parsers in turn).
 
 A connection keeps the protocol its first bytes name. baidu_std frames start with `PRPC` or
-`STRM`; HTTP/1.x with a method and a space. TLS (a handshake record, 0x16 0x03) and the HTTP/2
-preface are recognised to be named in the log; this server does not speak them yet, so they
-close like anything else no parser takes.
+`STRM`; HTTP/1.x with a method and a space; HTTP/2 (gRPC) with its client preface (h2c with
+prior knowledge, or inside TLS); TLS with a handshake record (0x16 0x03), inside which the
+protocol is detected again.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 class MethodEntry:
     __slots__ = ("service_name", "method_name", "handler", "is_async", "request_class",
-                 "response_class", "full_name", "place", "status", "descriptor")
+                 "response_class", "full_name", "place", "status", "descriptor", "client_streaming",
+                 "server_streaming", "streaming")
 
     def __init__(self, descriptor, handler, place=None) -> None:
         self.place = place  # the servicer's receive_attachment_into, when it has its own
@@ -39,6 +40,10 @@ class MethodEntry:
         self.is_async = is_async_handler(handler)
         self.request_class = message_class(descriptor.input_type)
         self.response_class = message_class(descriptor.output_type)
+        # `rpc M(stream A) returns (stream B)`: served over gRPC only (server/grpc/call.py)
+        self.client_streaming = bool(descriptor.client_streaming)
+        self.server_streaming = bool(descriptor.server_streaming)
+        self.streaming = self.client_streaming or self.server_streaming
 
 
 def is_async_handler(handler) -> bool:
@@ -61,6 +66,7 @@ class Registry:
         self._short: dict[str, str | None] = {}
         self.places = False  # some servicer chooses where attachments are received
         self.servicer_names: list[str] = []  # class names, for the server's default version
+        self.by_path: dict[str, MethodEntry] = {}  # "/package.Service/Method", as gRPC names a method
 
     def add(self, servicer: Servicer) -> None:
         service = getattr(servicer, "SERVICE", None)
@@ -77,7 +83,8 @@ class Registry:
             handler = getattr(servicer, m.name, None)
             if handler is None or not callable(handler):
                 handler = _not_implemented(m.name)
-            methods[m.name] = MethodEntry(m, handler, place)
+            methods[m.name] = entry = MethodEntry(m, handler, place)
+            self.by_path[f"/{service.full_name}/{m.name}"] = entry
         self.services[service.full_name] = methods
         self.servicer_names.append(type(servicer).__name__)
         short = service.name
@@ -95,6 +102,11 @@ class Registry:
         if entry is None:
             raise RpcError(ENOMETHOD, f"Fail to find method={full}/{method_name}")
         return entry
+
+
+def streaming_refusal(entry: MethodEntry) -> tuple[int, str]:
+    """EREQUEST for a streaming rpc called by a protocol that carries one message each way."""
+    return EREQUEST, f"{entry.method_name} is a streaming rpc: call it over gRPC"
 
 
 def attachment_destination(registry: Registry, meta, data):

@@ -31,7 +31,7 @@ from ..controller import Controller
 from ..protocol import compress
 from ..errors import (EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
                       ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
-from .dispatch import handler_failed, limit_error, request_ended, set_failed
+from .dispatch import handler_failed, limit_error, request_ended, set_failed, streaming_refusal
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,8 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
             return error_reply(ENOMETHOD, f"Missing method name for service {full}. Available methods:\n"
                                + method_listing(methods), tag)
         return error_reply(ENOMETHOD, f"Fail to find method on `{path}'", tag)
+    if entry.streaming:
+        return error_reply(*streaming_refusal(entry), tag)
     server.stats.requests += 1
     if server.stopping:
         return _refused(server, ELOGOFF, "Server is stopping", tag)

@@ -22,7 +22,7 @@ from ..options import ServerOptions
 from ..protocol import streaming
 from ..stream import streams_failed
 from ..stub import Servicer
-from ..tls import server_context
+from ..tls import ServerTlsOptions, server_context
 from ..transport import memory
 from ..transport.tcp import RateLimitedLog, buffers_size
 from .connection import ServerConnection
@@ -30,7 +30,7 @@ from .intercept import intercept
 from .inline import run_inline
 from .dispatch import (Registry, admission_error, error_response, exception_text, handler_failed, limit_error,
                        overcrowded_text, parse_request, request_ended, server_controller, set_failed,
-                       success_response)
+                       streaming_refusal, success_response)
 from ..limiters import make_limiter
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class ServerStats:
             (closed, or never opened), unparsable, of an unknown type, or before authentication.
         closed: Connections the server closed, by reason (a `collections.Counter`):
             "first_frame_timeout", "idle_timeout", "auth_failed", "bad_frame",
-            "unknown_protocol", "close_connection".
+            "unknown_protocol", "close_connection", "bad_h2" (an HTTP/2 peer broke a rule or
+            a limit: server/grpc/session.py).
     """
 
     __slots__ = ("requests", "failed_requests", "dropped_replies", "connections_accepted",
@@ -108,6 +109,9 @@ class Server:
             raise TypeError(f"options must be a ServerOptions, got {type(options).__name__}")
         self.options = options
         self.ssl_context = server_context(options.ssl)  # files are read now: a bad one fails here
+        if isinstance(options.ssl, ServerTlsOptions):
+            # gRPC clients insist on ALPN h2; an SSLContext of the user's is left as it is
+            self.ssl_context.set_alpn_protocols(["h2", "http/1.1"])
         self.registry = Registry()
         self._intercepted = False  # the handlers are behind options.interceptors
         self.stats = ServerStats()
@@ -130,6 +134,8 @@ class Server:
         self.rpcz: collections.deque | None = (
             collections.deque(maxlen=options.rpcz_max_records) if options.rpcz else None)
         self._internal_listener: asyncio.AbstractServer | None = None
+        # options.grpc_health's servicer, once started: grpc_health.set_status(service, serving)
+        self.grpc_health = None
 
     def add_service(self, servicer: Servicer) -> None:
         """Serve the methods of `servicer` (a `Servicer` with its `SERVICE` set), before
@@ -177,6 +183,7 @@ class Server:
         self.stopping = False
         self.closing_connections = False
         self._cancelling_requests = False
+        self._add_grpc_services()
         self._listener, bound = await _listen(loop, lambda: ServerConnection(self), host, port)
         self.host, self.port = bound[0], bound[1]
         if self.options.internal_port >= 0:
@@ -195,6 +202,8 @@ class Server:
     async def stop(self) -> None:
         """Stop accepting; new requests on open connections get ELOGOFF; in-flight ones finish."""
         self.stopping = True
+        if self.grpc_health is not None:
+            self.grpc_health.changed()  # NOT_SERVING to the Watch streams, which then end
         if self._listener is not None:
             self._listener.close()
         if self._internal_listener is not None:
@@ -314,6 +323,18 @@ class Server:
                 elif idle >= BLOCK_RELEASE_IDLE_S:
                     conn.decoder.reader.rbuf.release()
 
+    def _add_grpc_services(self) -> None:
+        """The builtin gRPC services options.grpc_health and grpc_reflection ask for, once."""
+        services = self.registry.services
+        if self.options.grpc_health and self.grpc_health is None:
+            from .grpc.health import HealthServicer
+            self.grpc_health = HealthServicer(self)
+            self.add_service(self.grpc_health)
+        if self.options.grpc_reflection and "grpc.reflection.v1.ServerReflection" not in services:
+            from .grpc.reflection import ReflectionV1, ReflectionV1alpha
+            self.add_service(ReflectionV1(self))
+            self.add_service(ReflectionV1alpha(self))
+
     def _intercept_handlers(self) -> None:
         """Every method's handler behind the options' interceptors, once (a restarted server
         keeps its chains)."""
@@ -326,7 +347,8 @@ class Server:
             return asyncio.get_running_loop().run_in_executor(self._thread_pool(), handler, request, cntl)
         for methods in self.registry.services.values():
             for entry in methods.values():
-                intercept(entry, interceptors, run_in_pool)
+                if not entry.streaming:  # a streaming handler is an async generator: not a call to wrap
+                    intercept(entry, interceptors, run_in_pool)
 
     # -- requests ----------------------------------------------------------------------------
     def _tag(self, conn: ServerConnection) -> str:
@@ -346,6 +368,8 @@ class Server:
             if rejected is not None:
                 raise RpcError(*rejected)
             entry = self.registry.lookup(meta.service_name, meta.method_name)
+            if entry.streaming:
+                raise RpcError(*streaming_refusal(entry))
             if not entry.status.admits(meta.timeout_ms):
                 raise RpcError(*limit_error(entry))
             request = parse_request(entry, ev, self.options.max_decompressed_size)

@@ -15,7 +15,6 @@ import pytest_asyncio
 import aiobrpc
 from aiobrpc._proto import interop_pb2
 from aiobrpc.protocol import baidu_std
-from aiobrpc.server.detect import H2_PREFACE
 from tests.helpers.interop_server import InteropEcho
 from tests.helpers.peers import raw_exchange
 from tests.helpers.wire import frame, rpc_meta
@@ -81,7 +80,6 @@ async def test_http_and_baidu_std_share_the_port(server):
 
 @pytest.mark.parametrize("data", [
     b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(32),  # a TLS ClientHello: TLS is not enabled
-    H2_PREFACE,                                                    # HTTP/2: not served
     b"XXXX" + bytes(8),                                            # nothing known
     b"GETX / HTTP/1.1\r\n\r\n",                                    # not quite a method
 ])
