@@ -309,8 +309,8 @@ def overcrowded_text(conn) -> str:
             f"(max_unwritten_bytes={conn.max_unwritten_bytes})")
 
 
-def admission_error(server, conn, ev):
-    """The rejection a request gets before its handler is looked up, or None."""
+def server_admission_error(server, conn):
+    """The rejection any request gets from a stopping, overcrowded or full server, or None."""
     if server.stopping:
         return ELOGOFF, "Server is stopping"
     if not conn.writable():
@@ -318,6 +318,14 @@ def admission_error(server, conn, ev):
     limit = server.options.max_concurrency
     if limit and server.concurrency >= limit:
         return ELIMIT, f"Reached server's max_concurrency={limit}"
+    return None
+
+
+def admission_error(server, conn, ev):
+    """The rejection a request gets before its handler is looked up, or None."""
+    rejected = server_admission_error(server, conn)
+    if rejected is not None:
+        return rejected
     if ev.error is not None:
         return ev.error.code, str(ev.error)
     meta = ev.meta

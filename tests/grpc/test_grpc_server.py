@@ -17,7 +17,7 @@ import trustme
 from aiobrpc import Channel, ChannelOptions, Controller, RpcError, Server, ServerOptions, Servicer, Stub, errors
 from aiobrpc._proto import grpc_test_pb2
 from aiobrpc.protocol import compress
-from aiobrpc.tls import ServerTlsOptions
+from aiobrpc.tls import ClientTlsOptions, ServerTlsOptions
 
 Msg = grpc_test_pb2.GrpcMessage
 SERVICE = grpc_test_pb2.DESCRIPTOR.services_by_name["GrpcTestService"]
@@ -319,8 +319,14 @@ async def test_tls_with_alpn_h2(tmp_path):
         credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
         with grpc.secure_channel(f"localhost:{server.port}", credentials) as ch:
             return stubs(ch)["Unary"](Msg(text="secret"), timeout=5).text
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    tls = ClientTlsOptions(ca_file=str(ca_file), server_hostname="localhost")
     try:
         assert await blocking(call) == "secret"
+        async with Channel(server.address, ChannelOptions(protocol="grpc", ssl=tls, timeout_ms=5000)) as ch:
+            cntl = Controller()
+            assert (await Stub(ch, SERVICE).Unary(Msg(text="ours"), cntl)).text == "ours"  # aiobrpc over TLS too
     finally:
         await stopped(server)
 

@@ -25,11 +25,10 @@ from h2.errors import ErrorCodes
 from h2.exceptions import StreamClosedError
 
 from ...controller import Controller
-from ...errors import (ECANCELED, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST, ERESPONSE, ERPCAUTH,
-                       ERPCTIMEDOUT, RpcError)
+from ...errors import ECANCELED, EINTERNAL, EREQUEST, ERESPONSE, ERPCAUTH, ERPCTIMEDOUT, RpcError
 from ...protocol import compress
 from ...protocol import grpc as codec
-from ..dispatch import (handler_failed, limit_error, overcrowded_text, request_ended, set_failed,
+from ..dispatch import (handler_failed, limit_error, request_ended, server_admission_error, set_failed,
                         user_fields_error)
 from ..inline import run_inline
 
@@ -96,7 +95,7 @@ class RequestStream:
 class GrpcCall:
     __slots__ = ("session", "stream_id", "loop", "entry", "cntl", "decoder", "encoding", "accept", "messages",
                  "unacked", "reader", "window_waiter", "task", "timer", "request_done", "finished",
-                 "headers_sent", "encoding_out", "sent_fields", "status")
+                 "headers_sent", "encoding_out", "sent_fields", "status", "running")
 
     def __init__(self, session, stream_id: int) -> None:
         self.session = session
@@ -119,6 +118,7 @@ class GrpcCall:
         self.encoding_out: str | None = None
         self.sent_fields: frozenset | None = None  # user fields sent as initial metadata
         self.status = None  # the method's MethodStatus where the call is counted in it
+        self.running = False  # _serve has begun: cancelling its task runs its accounting
 
     # -- the request -----------------------------------------------------------------------------
     def headers_received(self, headers, ended: bool) -> None:
@@ -296,7 +296,10 @@ class GrpcCall:
             self.cntl.error_code, self.cntl.error_text = code, text
         self._wake_reader()
         if self.task is not None:
-            self.task.cancel()
+            # A task cancelled before its first step never runs its coroutine (Python < 3.12
+            # starts tasks late): one not begun is left to run, sees `finished` and only counts.
+            if self.running:
+                self.task.cancel()
         elif self.window_waiter is not None and not self.window_waiter.done():
             self.window_waiter.cancel()
 
@@ -308,7 +311,7 @@ class GrpcCall:
         if self.cntl is not None:
             set_failed(self.cntl, self.entry, ERPCTIMEDOUT, text)
         self._fail(codec.DEADLINE_EXCEEDED, text)
-        if self.task is not None:
+        if self.task is not None and self.running:
             self.task.cancel()
         self.session.schedule_flush()
 
@@ -355,7 +358,10 @@ class GrpcCall:
         cntl = self.cntl
         started = _now_ns()
         refused = False
+        self.running = True
         try:
+            if self.finished:  # reset or lost before the handler began
+                return
             try:
                 if not session.authenticated:
                     credential = (cntl._request_user_fields or {}).get("authorization", "")
@@ -630,13 +636,9 @@ def _lookup(registry, path: str):
 
 
 def _admission_error(server, conn, entry, fields, timeout_ms):
-    if server.stopping:
-        return ELOGOFF, "Server is stopping"
-    if not conn.writable():
-        return EOVERCROWDED, overcrowded_text(conn)
-    limit = server.options.max_concurrency
-    if limit and server.concurrency >= limit:
-        return ELIMIT, f"Reached server's max_concurrency={limit}"
+    rejected = server_admission_error(server, conn)
+    if rejected is not None:
+        return rejected
     if fields:
         rejected = user_fields_error(server.options, [(k, v) for k, v in fields.items()])
         if rejected is not None:
