@@ -308,3 +308,31 @@ async def test_aiobrpc_server_answers_the_grpc_client():
     finally:
         await server.stop()
         await server.join()
+
+
+async def test_window_waits_and_the_servers_stream_limit_against_aiobrpc():
+    from aiobrpc._proto import grpc_test_pb2
+    from aiobrpc.server.grpc.session import MAX_CONCURRENT_STREAMS, STREAM_WINDOW
+    from tests.grpc.test_grpc_server import GrpcTest
+
+    service = grpc_test_pb2.DESCRIPTOR.services_by_name["GrpcTestService"]
+    Msg = grpc_test_pb2.GrpcMessage
+    server = aiobrpc.Server(aiobrpc.ServerOptions(max_body_size=64 << 20))
+    server.add_service(GrpcTest())
+    await server.start("127.0.0.1:0")
+    try:
+        async with grpc_channel(server.port, max_retry=0, max_body_size=64 << 20) as channel:
+            stub = aiobrpc.Stub(channel, service)
+            big = bytes(range(256)) * (3 * STREAM_WINDOW // 256)  # waits twice for the stream's window
+            assert (await stub.Unary(Msg(data=big))).data == big
+            # calls past the server's SETTINGS_MAX_CONCURRENT_STREAMS are not sent: ELIMIT, as brpc
+            results = await asyncio.gather(*(stub.Unary(Msg(text=str(i), sleep_ms=300))
+                                             for i in range(MAX_CONCURRENT_STREAMS + 20)), return_exceptions=True)
+            refused = [r for r in results if isinstance(r, RpcError)]
+            assert len(refused) == 20 and {r.code for r in refused} == {errors.ELIMIT}
+            assert "max concurrent stream" in refused[0].text
+            assert sorted(int(r.text) for r in results if not isinstance(r, RpcError)) == list(
+                range(MAX_CONCURRENT_STREAMS))
+    finally:
+        await server.stop()
+        await server.join()
