@@ -155,6 +155,8 @@ def test_ctrl_c_during_a_call_cancels_it_and_raises_keyboard_interrupt(server):
         from aiobrpc import sync
         from aiobrpc._proto import interop_pb2
 
+        # Python leaves SIGINT ignored when it started so (a job run with `&` by a shell)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         channel = sync.Channel({server.server.address!r})
         cntl = aiobrpc.Controller(timeout_ms=30000)
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
