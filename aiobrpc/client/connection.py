@@ -199,16 +199,7 @@ class ClientConnection(FramedConnection):
         table = self.streams
         if not pending and not table:
             return
-        if exc is None:
-            err = RpcError(EEOF, f"Got EOF of {self.peer}")
-        elif isinstance(exc, RemoteProtocolError):
-            err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc}")
-        elif isinstance(exc, RpcError):
-            err = exc
-        elif isinstance(exc, ssl.SSLError):  # e.g. TLS 1.3: the server refused our certificate after the handshake
-            err = RpcError(ESSL, f"TLS connection to {self.peer} failed: {exc.reason or exc}")
-        else:
-            err = RpcError(EFAILEDSOCKET, f"Broken connection to {self.peer}: {exc!r}")
+        err = connection_lost_error(exc, self.peer)
         for attempt in pending.values():
             attempt.on_failed(RpcError(err.code, err.text))
         if table:
@@ -249,3 +240,16 @@ def show_bytes(head: bytes, more: bool = False) -> str:
         text = text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
         return f'"{text}"{tail}'
     return f"{head.hex()}{tail} (hex)"
+
+
+def connection_lost_error(exc: BaseException | None, peer: str) -> RpcError:
+    """What the calls on a connection to `peer` lost with `exc` (None: EOF) fail with."""
+    if exc is None:
+        return RpcError(EEOF, f"Got EOF of {peer}")
+    if isinstance(exc, RemoteProtocolError):
+        return RpcError(EFAILEDSOCKET, f"Broken connection to {peer}: {exc}")
+    if isinstance(exc, RpcError):
+        return exc
+    if isinstance(exc, ssl.SSLError):  # e.g. TLS 1.3: the server refused our certificate after the handshake
+        return RpcError(ESSL, f"TLS connection to {peer} failed: {exc.reason or exc}")
+    return RpcError(EFAILEDSOCKET, f"Broken connection to {peer}: {exc!r}")

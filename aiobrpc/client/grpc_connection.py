@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import ssl
 
-from ..errors import (EEOF, EFAILEDSOCKET, EHTTP, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST, ERESPONSE, ESSL,
+from ..errors import (EFAILEDSOCKET, EHTTP, ELIMIT, ELOGOFF, EOVERCROWDED, EREQUEST, ERESPONSE,
                       LocalProtocolError, RemoteProtocolError, RpcError)
-from ..protocol import compress, content
+from ..protocol import content
 from ..protocol import grpc as wire
 from ..transport.tcp import _fmt
+from .connection import connection_lost_error
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,6 @@ _STREAM_WINDOW = 4 * 1024 * 1024
 _CONNECTION_WINDOW = 16 * 1024 * 1024
 _H2_DEFAULT_WINDOW = 65535
 _ERROR_BODY_SHOWN = 256  # bytes of a non-gRPC reply's body quoted in the error
-# brpc compress types -> grpc-encoding; snappy and lz4 have no gRPC name.
-_ENCODING_OF_COMPRESS = {compress.GZIP: wire.GZIP, compress.ZLIB: wire.DEFLATE}
-_COMPRESS_OF_ENCODING = {wire.GZIP: compress.GZIP, wire.DEFLATE: compress.ZLIB}
 
 _h2 = None  # the h2 names this module uses, once imported (_import_h2)
 
@@ -58,6 +55,7 @@ def _import_h2():
         from h2 import config, connection, errors, events, exceptions, settings
 
         from .. import __version__
+        from ..protocol import h2_frames  # noqa: F401  (h2's DATA frame repr made cheap)
 
         class GracefulH2Connection(connection.H2Connection):
             # h2 takes any GOAWAY as the end and refuses every later frame, but a graceful one
@@ -256,7 +254,7 @@ class GrpcConnection:
         self._blocked.clear()
         if not pending:
             return
-        err = _connection_error(exc, self.peer)
+        err = connection_lost_error(exc, self.peer)
         for attempt in pending.values():
             attempt.on_failed(RpcError(err.code, err.text))
 
@@ -326,7 +324,7 @@ class GrpcConnection:
         data = call.serialized
         ctype = cntl.request_compress_type
         if ctype:
-            encoding = _ENCODING_OF_COMPRESS.get(ctype)
+            encoding = wire.ENCODING_OF_COMPRESS_TYPE.get(ctype)
             if encoding is None:
                 raise RpcError(EREQUEST, f"gRPC has no encoding for compress type {ctype}: use gzip or zlib")
             headers.append(("grpc-encoding", encoding))
@@ -595,24 +593,11 @@ def _reply_of(stream: _Stream):
         return RpcError(ERESPONSE, "the gRPC reply carries no message")
     ctype = 0
     if stream.message_compressed:
-        ctype = _COMPRESS_OF_ENCODING.get(stream.encoding, 0)
+        ctype = wire.COMPRESS_TYPE_OF_ENCODING.get(stream.encoding, 0)
         if not ctype:
             return RpcError(ERESPONSE, "the gRPC response message is flagged compressed but grpc-encoding "
                                        "is identity")
     return GrpcReply(GrpcReplyMeta(0, "", ctype, fields), data)
-
-
-def _connection_error(exc, peer: str) -> RpcError:
-    """What the calls on a connection lost with `exc` fail with (ClientConnection's mapping)."""
-    if exc is None:
-        return RpcError(EEOF, f"Got EOF of {peer}")
-    if isinstance(exc, RpcError):
-        return exc
-    if isinstance(exc, ssl.SSLError):
-        return RpcError(ESSL, f"TLS connection to {peer} failed: {exc.reason or exc}")
-    if isinstance(exc, RemoteProtocolError):
-        return RpcError(EFAILEDSOCKET, f"Broken connection to {peer}: {exc}")
-    return RpcError(EFAILEDSOCKET, f"Broken connection to {peer}: {exc!r}")
 
 
 def _size(buf) -> int:

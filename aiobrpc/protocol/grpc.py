@@ -256,8 +256,10 @@ IDENTITY = "identity"
 GZIP = "gzip"
 DEFLATE = "deflate"  # the zlib container (RFC 1950), as grpc-go and C-core send it
 
-_CTYPE_OF_ENCODING = {IDENTITY: compress.NONE, GZIP: compress.GZIP, DEFLATE: compress.ZLIB}
-ENCODINGS = tuple(_CTYPE_OF_ENCODING)
+# grpc-encoding <-> brpc's compress types (aiobrpc.protocol.compress); snappy and lz4 have no gRPC name.
+COMPRESS_TYPE_OF_ENCODING = {IDENTITY: compress.NONE, GZIP: compress.GZIP, DEFLATE: compress.ZLIB}
+ENCODING_OF_COMPRESS_TYPE = {ctype: name for name, ctype in COMPRESS_TYPE_OF_ENCODING.items() if ctype}
+ENCODINGS = tuple(COMPRESS_TYPE_OF_ENCODING)
 # Our grpc-accept-encoding value, as C-core writes it.
 ACCEPT_ENCODING = ",".join(ENCODINGS)
 
@@ -273,7 +275,7 @@ def parse_encoding(value) -> str:
     if isinstance(value, (bytes, bytearray, memoryview)):
         value = bytes(value).decode("latin-1")
     name = value.strip().lower()
-    if name not in _CTYPE_OF_ENCODING:
+    if name not in COMPRESS_TYPE_OF_ENCODING:
         raise GrpcProtocolError(f"grpc-encoding {value!r} is not supported ({ACCEPT_ENCODING})", UNIMPLEMENTED)
     return name
 
@@ -291,7 +293,7 @@ def parse_accept_encoding(value) -> tuple[str, ...]:
 def compress_message(encoding: str, data):
     """The payload of `data` compressed with `encoding` (one of ENCODINGS); a bytes-like
     object, `data` itself for identity."""
-    ctype = _CTYPE_OF_ENCODING.get(encoding)
+    ctype = COMPRESS_TYPE_OF_ENCODING.get(encoding)
     if ctype is None:
         raise LocalProtocolError(f"grpc-encoding {encoding!r} is not supported ({ACCEPT_ENCODING})")
     return compress.compress(ctype, data)
@@ -307,7 +309,7 @@ def decompress_message(encoding: str, data, max_size: int):
     """
     if encoding == IDENTITY:
         raise GrpcProtocolError("gRPC message is flagged compressed but grpc-encoding is identity", INTERNAL)
-    ctype = _CTYPE_OF_ENCODING.get(encoding)
+    ctype = COMPRESS_TYPE_OF_ENCODING.get(encoding)
     if ctype is None:
         raise GrpcProtocolError(f"grpc-encoding {encoding!r} is not supported ({ACCEPT_ENCODING})", UNIMPLEMENTED)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from typing import TYPE_CHECKING
 
 from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError
 from ..protocol.baidu_std import SERVER
@@ -13,9 +14,11 @@ from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
 from . import detect
 from .dispatch import attachment_destination, auth_failure_response
-from .grpc.session import H2Session
 from .http import HttpSession
 from .tls_layer import TlsLayer
+
+if TYPE_CHECKING:
+    from .grpc.session import H2Session
 
 log = logging.getLogger(__name__)
 _auth_log = RateLimitedLog()
@@ -113,6 +116,8 @@ class ServerConnection(FramedConnection):
             if proto == detect.HTTP:
                 self.http = HttpSession(self)
             else:
+                from .grpc.session import H2Session  # h2 is imported by the first HTTP/2 connection only
+
                 self.http = H2Session(self)  # which reads the preface itself
             self.http.data_received(bytes(rbuf.take(rbuf.available())))
             return
@@ -267,7 +272,7 @@ class ServerConnection(FramedConnection):
             self.transport.pause_reading()
 
     def close(self, reason: BaseException | None = None) -> None:
-        if type(self.http) is H2Session and not self.is_closed:
+        if self.protocol == detect.H2 and self.http is not None and not self.is_closed:
             self.http.goaway()  # HTTP/2 peers learn that no new stream will be served
         super().close(reason)
 

@@ -26,7 +26,6 @@ from h2.exceptions import StreamClosedError
 
 from ...controller import Controller
 from ...errors import ECANCELED, EINTERNAL, EREQUEST, ERESPONSE, ERPCAUTH, ERPCTIMEDOUT, RpcError
-from ...protocol import compress
 from ...protocol import grpc as codec
 from ..dispatch import (handler_failed, limit_error, request_ended, server_admission_error, set_failed,
                         user_fields_error)
@@ -47,9 +46,6 @@ _STATUS_200 = (b":status", b"200")
 _GRPC_CONTENT_TYPE = (b"content-type", b"application/grpc")
 _GRPC_OK = (b"grpc-status", b"0")
 _SMALL_MESSAGE = 64 * 1024  # smaller payloads are joined with their prefix: one DATA frame
-# cntl.response_compress_type -> grpc-encoding (compress.py's names for baidu_std)
-_ENCODING_OF_CTYPE = {compress.GZIP: codec.GZIP, compress.ZLIB: codec.DEFLATE}
-_CTYPE_OF_ENCODING = {codec.GZIP: compress.GZIP, codec.DEFLATE: compress.ZLIB}
 
 
 class RequestStream:
@@ -194,7 +190,7 @@ class GrpcCall:
         if fields:
             cntl._request_user_fields = fields
         if self.encoding != codec.IDENTITY:
-            cntl.request_compress_type = _CTYPE_OF_ENCODING[self.encoding]
+            cntl.request_compress_type = codec.COMPRESS_TYPE_OF_ENCODING[self.encoding]
         if entry.client_streaming:
             self._start(RequestStream(self))
         elif ended:
@@ -479,7 +475,7 @@ class GrpcCall:
     def _initial_headers(self) -> list:
         cntl = self.cntl
         headers = [_STATUS_200, _GRPC_CONTENT_TYPE]
-        encoding = _ENCODING_OF_CTYPE.get(cntl.response_compress_type) if cntl.response_compress_type else None
+        encoding = codec.ENCODING_OF_COMPRESS_TYPE.get(cntl.response_compress_type) if cntl.response_compress_type else None
         if encoding is not None and encoding in self.accept:
             self.encoding_out = encoding
             headers.append((b"grpc-encoding", encoding.encode()))

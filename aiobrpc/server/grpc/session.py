@@ -19,7 +19,6 @@ its call (RESOURCE_EXHAUSTED), as does anything wrong inside one call.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import inspect
 import logging
 
@@ -28,9 +27,9 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
-import hyperframe.frame
 from h2.errors import ErrorCodes
 
+from ...protocol import h2_frames  # noqa: F401  (h2's DATA frame repr made cheap)
 from ...transport.tcp import RateLimitedLog
 from .call import GrpcCall, respond_plain
 
@@ -53,21 +52,6 @@ _WindowUpdated = h2.events.WindowUpdated
 _RemoteSettingsChanged = h2.events.RemoteSettingsChanged
 _PingReceived = h2.events.PingReceived
 _ConnectionTerminated = h2.events.ConnectionTerminated
-
-
-def _data_repr(data) -> str:
-    """hyperframe's `_raw_data_repr`, the same text, from the first 11 bytes only: h2 reprs
-    every frame it receives for its trace log, and the original hexlifies a DATA frame's whole
-    payload to keep 20 characters of it (30% of the server's time with 1 MiB messages)."""
-    if not data:
-        return "None"
-    r = binascii.hexlify(data[:11]).decode("ascii")
-    if len(r) > 20:
-        r = r[:20] + "..."
-    return "<hex:" + r + ">"
-
-
-hyperframe.frame._raw_data_repr = _data_repr
 
 
 class H2Session:
@@ -163,22 +147,24 @@ class H2Session:
         call = self.calls.pop(ev.stream_id, None)
         if call is not None:
             call.reset_by_peer()
-        now = self.loop.time()
-        if now - self._window_start >= 1.0:
-            self._window_start, self._resets, self._control_frames = now, 0, 0
+        self._roll_window()
         self._resets += 1
         if self._resets > MAX_RESETS_PER_SECOND:
             self._calm_down(f"{self._resets} streams reset by the peer within a second "
                             f"(more than {MAX_RESETS_PER_SECOND}: a rapid reset flood)")
 
     def _control_frame(self) -> None:
-        now = self.loop.time()
-        if now - self._window_start >= 1.0:
-            self._window_start, self._resets, self._control_frames = now, 0, 0
+        self._roll_window()
         self._control_frames += 1
         if self._control_frames > MAX_CONTROL_FRAMES_PER_SECOND:
             self._calm_down(f"{self._control_frames} PING and SETTINGS frames within a second "
                             f"(more than {MAX_CONTROL_FRAMES_PER_SECOND})")
+
+    def _roll_window(self) -> None:
+        """Resets and control frames are counted per second: a new second starts at zero."""
+        now = self.loop.time()
+        if now - self._window_start >= 1.0:
+            self._window_start, self._resets, self._control_frames = now, 0, 0
 
     def _calm_down(self, why: str) -> None:
         self.h2.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM)
