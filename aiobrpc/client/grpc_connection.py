@@ -55,7 +55,7 @@ def _import_h2():
         from h2 import config, connection, errors, events, exceptions, settings
 
         from .. import __version__
-        from ..protocol import h2_frames  # noqa: F401  (h2's DATA frame repr made cheap)
+        from ..protocol import h2_frames, hpack_memo  # noqa: F401  (h2_frames: h2's DATA frame repr made cheap)
 
         class GracefulH2Connection(connection.H2Connection):
             # h2 takes any GOAWAY as the end and refuses every later frame, but a graceful one
@@ -71,6 +71,7 @@ def _import_h2():
         class Names:
             user_agent = f"aiobrpc/{__version__}"
             H2Connection = GracefulH2Connection
+            install_hpack_memo = staticmethod(hpack_memo.install)
             H2Configuration = config.H2Configuration
             Settings = settings.Settings
             SettingCodes = settings.SettingCodes
@@ -158,6 +159,7 @@ class GrpcConnection:
     def __init__(self, stats, options, authority: str, on_closed=None, ctype: str = "single") -> None:
         names = _import_h2()
         self.h2 = names.H2Connection(names.H2Configuration(client_side=True, header_encoding=None))
+        names.install_hpack_memo(self.h2)
         self.stats = stats
         self.ctype = ctype
         self.authority = authority

@@ -29,7 +29,7 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
-from ...protocol import h2_frames  # noqa: F401  (h2's DATA frame repr made cheap)
+from ...protocol import h2_frames, hpack_memo  # noqa: F401  (h2_frames: h2's DATA frame repr made cheap)
 from ...transport.tcp import RateLimitedLog
 from .call import GrpcCall, respond_plain
 
@@ -65,6 +65,7 @@ class H2Session:
                                            validate_outbound_headers=False, normalize_outbound_headers=False,
                                            validate_inbound_headers=False, normalize_inbound_headers=False)
         h2conn = self.h2 = h2.connection.H2Connection(config)
+        hpack_memo.install(h2conn)
         h2conn.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_SIZE,
