@@ -19,9 +19,10 @@ Measured in the window only: QPS, and the server's CPU time per call (utime + st
 shared machine the client's own CPU caps both servers' QPS alike, and CPU per call is then
 what tells them apart.
 
-Output: one line per measurement, then a table of QPS, server CPU per call and the ratios
-aiobrpc / grpc.aio for each scenario (the target of the gRPC issue: at least 2x the QPS on small
-calls).
+Output: one line per measurement (with the client's own CPU per call, time.process_time), then
+a table of QPS, server CPU per call and the ratios aiobrpc / grpc.aio for each scenario (the
+target of the gRPC issue: at least 2x the QPS on small calls), and the QPS no server can pass
+with one call in flight: a round trip includes the client's own CPU time per call.
 """
 
 from __future__ import annotations
@@ -120,13 +121,14 @@ async def run_client(port: int, size: int, concurrency: int, seconds: float, war
         tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
         await asyncio.sleep(warmup)
         counting = True
-        t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
+        t0, cpu0, own0 = time.perf_counter(), cpu_seconds(pid), time.process_time()
         await asyncio.sleep(seconds)
         counting = False
-        elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+        elapsed, cpu, own = time.perf_counter() - t0, cpu_seconds(pid) - cpu0, time.process_time() - own0
         stop = True
         await asyncio.gather(*tasks)
-    return {"qps": done / elapsed, "server_cpu_us": cpu / max(done, 1) * 1e6}
+    return {"qps": done / elapsed, "server_cpu_us": cpu / max(done, 1) * 1e6,
+            "client_cpu_us": own / max(done, 1) * 1e6}
 
 
 # -- the driver ----------------------------------------------------------------------------------------
@@ -142,7 +144,8 @@ def measure(impl: str, seconds: float, warmup: float) -> dict:
                                     check=True, cwd=ROOT, env={**os.environ, "GRPC_VERBOSITY": "ERROR"})
             got = json.loads(result.stdout.strip().splitlines()[-1])
             print(f"{impl:8} {_label(size, concurrency):>14}  {got['qps']:10.0f} QPS  "
-                  f"{got['server_cpu_us']:8.0f} us server CPU per call", flush=True)
+                  f"{got['server_cpu_us']:8.0f} us server CPU per call  {got['client_cpu_us']:8.0f} us client CPU",
+                  flush=True)
             out[(size, concurrency)] = got
         return out
     finally:
@@ -191,6 +194,12 @@ def main() -> int:
         ac = statistics.median(r[key]["server_cpu_us"] for r in runs["aiobrpc"])
         gc = statistics.median(r[key]["server_cpu_us"] for r in runs["grpcaio"])
         print(f"{_label(*key):>14}  {a:12.0f}  {g:12.0f}  {a / g:4.2f}x  {ac:15.0f}  {gc:16.0f}  {gc / ac:4.2f}x")
+    # One call in flight is a round trip: the client's own time per call is in each server's figure.
+    key = SCENARIOS[0]
+    client = statistics.median(r[key]["client_cpu_us"] for rs in runs.values() for r in rs)
+    g = statistics.median(r[key]["qps"] for r in runs["grpcaio"])
+    print(f"\n{_label(*key)}: the grpc.aio client spends {client:.0f} us of CPU per call itself, so no server "
+          f"can pass {1e6 / client:.0f} QPS there ({1e6 / client / g:.1f}x grpc.aio's)")
     return 0
 
 

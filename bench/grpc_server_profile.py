@@ -3,7 +3,7 @@
 Run by hand from the repository root:
 
     python bench/grpc_server_profile.py             # microseconds per call
-    python bench/grpc_server_profile.py --profile   # and cProfile's top functions by own time
+    python bench/grpc_server_profile.py --profile   # and cProfile's top functions, and each package's share
 
 An `h2` client connection builds `--batch` unary calls (16 B, the headers grpcio sends) into one
 buffer; one server `H2Session` (aiobrpc/server/grpc/session.py) reads it as one read would, runs
@@ -28,6 +28,7 @@ import h2.config  # noqa: E402
 import h2.connection  # noqa: E402
 import h2.events  # noqa: E402
 
+import aiobrpc  # noqa: E402
 from aiobrpc import Server, ServerOptions  # noqa: E402
 from aiobrpc._proto import grpc_test_pb2  # noqa: E402
 from aiobrpc.server.grpc.session import H2Session  # noqa: E402
@@ -113,7 +114,32 @@ async def measure(batch: int, rounds: int, profile: bool) -> None:
         raise SystemExit(f"{server.stats.requests} requests, {server.stats.failed_requests} failed: expected {calls} ok")
     print(f"{spent / calls * 1e6:.1f} us of server CPU per call ({calls} calls, {batch} per read)")
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(30)
+        print("own time by package:")
+        for package, share in _by_package(stats):
+            print(f"  {share:5.1%}  {package}")
+
+
+_PACKAGE = str(pathlib.Path(aiobrpc.__file__).parent)
+
+
+def _by_package(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """Each package's share of the profiled own time: h2, hyperframe, aiobrpc's modules, asyncio's..."""
+    spent: dict[str, float] = {}
+    for (filename, _, _), (_, _, own, _, _) in stats.stats.items():
+        path = pathlib.PurePath(filename).parts
+        if "site-packages" in path:
+            package = path[path.index("site-packages") + 1]
+        elif filename.startswith(_PACKAGE):
+            package = "aiobrpc" + filename[len(_PACKAGE):]
+        elif filename.startswith("~") or filename.startswith("<"):
+            package = "builtins"
+        else:
+            package = pathlib.PurePath(filename).stem  # the stdlib, the handler
+        spent[package] = spent.get(package, 0.0) + own
+    total = sum(spent.values()) or 1.0
+    return sorted(((p, t / total) for p, t in spent.items()), key=lambda pt: -pt[1])[:12]
 
 
 def main() -> None:
