@@ -110,7 +110,8 @@ class ChannelOptions:
             "grpc"): gRPC over HTTP/2 to any gRPC server, each call an HTTP/2 stream, with the
             same deadlines, retries, backup requests and load balancing; TLS offers ALPN "h2".
             gRPC carries the request message only: a call with a request attachment or
-            streams fails with EREQUEST (docs/grpc.md, "Client").
+            `aiobrpc.Stream`s fails with EREQUEST. Streaming rpcs are called through
+            `aiobrpc.Stub` over gRPC only (docs/grpc.md, "Client").
     """
 
     timeout_ms: int = 500

@@ -55,6 +55,38 @@ class _Method:
         return f"<method {self.service_name}.{self.method_name}>"
 
 
+class _StreamingMethod(_Method):
+    """A streaming rpc, called over gRPC (client/grpc_stream.py): `rpc M(A) returns (stream B)`
+    and `rpc M(stream A) returns (stream B)` return a ResponseStream at once; `rpc M(stream A)
+    returns (B)` is awaited for its response."""
+
+    __slots__ = ("client_streaming", "server_streaming")
+
+    def __init__(self, channel, method_descriptor) -> None:
+        super().__init__(channel, method_descriptor)
+        self.client_streaming = method_descriptor.client_streaming
+        self.server_streaming = method_descriptor.server_streaming
+
+    def __call__(self, request, cntl=None):
+        from .client import grpc_stream
+        from .errors import RpcError
+        try:
+            grpc_stream.refuse_unless_grpc(self._channel, self.method_name)
+        except RpcError as e:
+            if cntl is not None:
+                cntl.error_code, cntl.error_text = e.code, e.text
+            raise
+        name = f"{self.service_name}.{self.method_name}"
+        if self.client_streaming:
+            grpc_stream.check_requests(name, request, self.request_class)
+        elif type(request) is not self.request_class and not isinstance(request, self.request_class):
+            raise TypeError(f"{name} takes a {self.request_class.DESCRIPTOR.full_name}, got {type(request).__name__}")
+        start = (grpc_stream.bidi_streaming if self.client_streaming else grpc_stream.server_streaming) \
+            if self.server_streaming else grpc_stream.client_streaming
+        return start(self._channel, self.service_name, self.method_name, request, self.request_class,
+                     self.response_class, cntl)
+
+
 class Stub:
     """Client side of `service`: one awaitable attribute per method.
 
@@ -63,6 +95,13 @@ class Stub:
     (`package.Service`, e.g. "example.EchoService") and the method by its name ("Echo"), as a
     C++ brpc client does: it is `channel.call_method(service.full_name, "Echo", request,
     EchoResponse, cntl)`.
+
+    Streaming rpcs are called over gRPC (`ChannelOptions(protocol="grpc")`; over baidu_std they
+    raise RpcError(EREQUEST) before anything is sent): `rpc M(A) returns (stream B)` is
+    `async for b in stub.M(a, cntl)`; `rpc M(stream A) returns (B)` is `await stub.M(requests,
+    cntl)` with an iterable or async iterable of A; `rpc M(stream A) returns (stream B)` is
+    `async for b in stub.M(requests, cntl)`, the requests sent as they come (docs/grpc.md,
+    "Streaming calls").
     """
 
     def __init__(self, channel, service: ServiceDescriptor) -> None:
@@ -71,7 +110,8 @@ class Stub:
         self.channel = channel
         self.service = service
         for m in service.methods:
-            setattr(self, m.name, _Method(channel, m))
+            streaming = m.client_streaming or m.server_streaming
+            setattr(self, m.name, (_StreamingMethod if streaming else _Method)(channel, m))
 
 
 class Servicer:

@@ -332,3 +332,14 @@ class Stub(AsyncStub):
             raise TypeError(f"aiobrpc.sync.Stub takes an aiobrpc.sync.Channel, got {type(channel).__name__}; "
                             "over an aiobrpc.Channel use aiobrpc.Stub and await its methods")
         super().__init__(channel, service)
+        for m in service.methods:
+            if m.client_streaming or m.server_streaming:
+                setattr(self, m.name, _streaming_refused(f"{service.full_name}.{m.name}"))
+
+
+def _streaming_refused(name: str):
+    def refused(*args, **kwargs):
+        raise TypeError(f"{name} is a streaming rpc: aiobrpc.sync.Stub calls unary methods only; call it with "
+                        'aiobrpc.Stub over an aiobrpc.Channel with ChannelOptions(protocol="grpc")')
+    refused.__name__ = name.rpartition(".")[2]
+    return refused

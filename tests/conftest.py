@@ -105,9 +105,13 @@ def pytest_sessionfinish(session, exitstatus):
     out.seek(0)
     session.config.stash[_PURE_RUN] = (rc, out.read().decode(errors="replace"))
     out.close()
-    # 5 (no tests) when every selected test is one the parent runs alone: the parent's status stands.
-    if rc not in (0, pytest.ExitCode.NO_TESTS_COLLECTED) and session.exitstatus in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
+    # The child's 5 (no tests): every selected test is one the parent runs alone, whose status
+    # stands. The parent's 5 with the child's 0: every selected test runs once, in the child.
+    no_tests = pytest.ExitCode.NO_TESTS_COLLECTED
+    if rc not in (0, no_tests) and session.exitstatus in (0, no_tests):
         session.exitstatus = rc
+    elif rc == 0 and session.exitstatus == no_tests:
+        session.exitstatus = 0
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

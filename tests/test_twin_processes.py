@@ -39,3 +39,14 @@ def test_a_failure_in_either_twin_fails_the_run(fail):
     r = _pytest(fail)
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stdout.count("1 failed") == 1 and r.stdout.count("1 passed") == 1, r.stdout
+
+
+def test_a_selection_run_once_in_the_child_passes_as_the_child_does():
+    # tests/grpc runs in the pure child only: the parent deselects all, and its "no tests" (5)
+    # must not fail a run whose every test passed
+    env = {k: v for k, v in os.environ.items() if k not in ("AIOBRPC_NO_EXTENSIONS", "PYTEST_ADDOPTS")}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/grpc/test_hpack_memo.py::test_a_decoded_list_is_the_callers_own"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 deselected" in r.stdout and "1 passed" in r.stdout, r.stdout

@@ -12,6 +12,12 @@ It offers what the server pool and the call use of a `ClientConnection` (`pendin
 `is_closed`, `peer`, `local`, `close`, `abort`, `forget`, `drop`); `Call._send` hands an
 attempt on it to `send_call` instead of building a baidu_std frame.
 
+A streaming call (client/grpc_stream.py) opens its stream with `open_stream`, sends with
+`write_stream` (waiting in `window_opened` for the peer's window), gives the receive window
+back itself with `acknowledge` as its reader takes messages, and ends with `close_stream`; the
+stream's events go to it, and it sits in `pending` too, so a lost connection or a GOAWAY ends it
+as it ends a unary call.
+
 Bounds: a request waits for the peer's flow-control window (HTTP/2), and the request bytes
 waiting so (plus the transport's buffer) are capped by `max_unwritten_bytes`: an attempt that
 would pass it is not sent and fails with EOVERCROWDED. A call past the server's
@@ -179,6 +185,8 @@ class GrpcConnection:
         self.close_reason: BaseException | None = None
         self._streams: dict[int, _Stream] = {}
         self._blocked: list[int] = []  # streams waiting for window, in the order they were sent
+        self._streaming: dict = {}  # stream id -> its StreamingCall (client/grpc_stream.py), also in pending
+        self._window_waiters: list[asyncio.Future] = []  # streaming calls waiting to send more
         self._unsent = 0  # request bytes waiting for window
         self._on_closed = on_closed
         self._lost = False
@@ -254,6 +262,8 @@ class GrpcConnection:
         pending, self.pending = self.pending, {}
         self._streams.clear()
         self._blocked.clear()
+        self._streaming.clear()
+        self._wake_window_waiters()
         if not pending:
             return
         err = connection_lost_error(exc, self.peer)
@@ -389,10 +399,82 @@ class GrpcConnection:
             except ValueError:
                 pass
 
+    # -- streaming calls (client/grpc_stream.py) -----------------------------------------------
+    def open_stream(self, call, headers: list) -> int:
+        """Open a stream for a streaming call and send its HEADERS; the stream's events go to
+        `call` (on_headers, on_trailers, on_data, on_ended, on_reset, on_failed)."""
+        h2 = self.h2
+        limit = h2.remote_settings.max_concurrent_streams
+        if h2.open_outbound_streams >= limit:
+            raise RpcError(ELIMIT, f"Pending Stream count exceeds max concurrent stream ({limit}) of {self.peer}")
+        try:
+            stream_id = h2.get_next_available_stream_id()
+            h2.send_headers(stream_id, headers)
+        except _h2.H2Error as e:  # the HTTP/2 connection is ending
+            raise RpcError(EFAILEDSOCKET, f"Fail to open a gRPC stream to {self.peer}: {e!r}") from None
+        self._streaming[stream_id] = call
+        self.pending[stream_id] = call
+        self._flush()
+        return stream_id
+
+    def write_stream(self, stream_id: int, out: memoryview, sent: int, end: bool) -> int:
+        """Send what the flow-control windows allow of `out[sent:]` (END_STREAM with its last
+        byte when `end`); the bytes of `out` sent so far."""
+        h2 = self.h2
+        total = len(out)
+        try:
+            while sent < total:
+                n = min(h2.local_flow_control_window(stream_id), h2.max_outbound_frame_size, total - sent)
+                if n <= 0:
+                    break
+                h2.send_data(stream_id, out[sent:sent + n].tobytes(), end_stream=end and sent + n == total)
+                sent += n
+            if end and total == 0:
+                h2.end_stream(stream_id)
+        except _h2.H2Error as e:
+            raise RpcError(EFAILEDSOCKET, f"Fail to send on the gRPC stream to {self.peer}: {e!r}") from None
+        self._flush()
+        return sent
+
+    async def window_opened(self) -> None:
+        """Wait until the peer gives flow-control window (or the connection ends)."""
+        fut = self.loop.create_future()
+        self._window_waiters.append(fut)
+        await fut
+
+    def _wake_window_waiters(self) -> None:
+        waiters, self._window_waiters = self._window_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def acknowledge(self, stream_id: int, n: int) -> None:
+        """Give the peer `n` bytes of window back on `stream_id` (only the connection's, once
+        the stream is closed)."""
+        try:
+            self.h2.acknowledge_received_data(n, stream_id)
+        except _h2.H2Error:
+            return
+        self._flush()
+
+    def close_stream(self, stream_id: int, reset: bool) -> None:
+        """A streaming call ended: forget its stream, reset with CANCEL when `reset`."""
+        self.pending.pop(stream_id, None)
+        self._streaming.pop(stream_id, None)
+        if reset and self.transport is not None:
+            try:
+                self.h2.reset_stream(stream_id, _h2.ErrorCodes.CANCEL)
+            except _h2.H2Error:  # closed meanwhile on the HTTP/2 side
+                pass
+        self._flush()
+
     # -- HTTP/2 events -------------------------------------------------------------------------
     def _on_headers(self, ev) -> None:
         stream = self._streams.get(ev.stream_id)
         if stream is None:
+            streaming = self._streaming.get(ev.stream_id)
+            if streaming is not None:
+                streaming.on_headers(ev.headers)
             return
         for name, value in ev.headers:
             if name == b":status":
@@ -410,6 +492,10 @@ class GrpcConnection:
         stream = self._streams.get(ev.stream_id)
         if stream is not None:
             self._read_status(stream, ev.headers)
+        elif self._streaming:
+            streaming = self._streaming.get(ev.stream_id)
+            if streaming is not None:
+                streaming.on_trailers(ev.headers)
 
     def _read_status(self, stream: _Stream, headers) -> None:
         try:
@@ -427,9 +513,14 @@ class GrpcConnection:
 
     def _on_data(self, ev) -> None:
         stream_id = ev.stream_id
+        stream = self._streams.get(stream_id)
+        if stream is None and self._streaming:
+            streaming = self._streaming.get(stream_id)
+            if streaming is not None:  # it gives the window back as its reader takes messages
+                streaming.on_data(ev.data, ev.flow_controlled_length)
+                return
         if ev.flow_controlled_length:
             self.h2.acknowledge_received_data(ev.flow_controlled_length, stream_id)
-        stream = self._streams.get(stream_id)
         if stream is None or stream.failure is not None:
             return
         if not (stream.http_status == 200 and stream.grpc_reply):
@@ -461,6 +552,9 @@ class GrpcConnection:
     def _finish(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)
         if stream is None:
+            streaming = self._streaming.get(stream_id)
+            if streaming is not None:
+                streaming.on_ended()
             return
         self._drop_stream(stream_id)
         attempt = self.pending.pop(stream_id, None)
@@ -477,6 +571,12 @@ class GrpcConnection:
 
     def _on_stream_reset(self, ev) -> None:
         stream_id = ev.stream_id
+        if self._streaming:
+            streaming = self._streaming.pop(stream_id, None)
+            if streaming is not None:
+                self.pending.pop(stream_id, None)
+                streaming.on_reset(ev.error_code)
+                return
         self._drop_stream(stream_id)
         attempt = self.pending.pop(stream_id, None)
         if attempt is None:
@@ -492,6 +592,8 @@ class GrpcConnection:
         attempt.on_failed(RpcError(EFAILEDSOCKET, f"{self.peer} reset the gRPC stream ({name})"))
 
     def _on_window_updated(self, ev) -> None:
+        if self._window_waiters:
+            self._wake_window_waiters()
         blocked = self._blocked
         if not blocked:
             return
@@ -563,6 +665,8 @@ class GrpcConnection:
         self._lost = True
         self.pending = {}
         self._streams.clear()
+        self._streaming.clear()
+        self._window_waiters.clear()
         self.stats.connections_lost += 1
         try:
             transport.abort()

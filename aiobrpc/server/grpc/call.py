@@ -52,8 +52,9 @@ class RequestStream:
     """The request messages of a client-streaming or bidirectional call, in order.
 
     `async for request in requests: ...`, or `await requests.read()`, which is None after the
-    last. At most MAX_QUEUED_MESSAGES wait unread; while they do, the peer's flow-control
-    window is not given back, so a fast sender waits for the handler. A message that cannot be
+    last. Once MAX_QUEUED_MESSAGES wait unread the peer's flow-control window is not given
+    back, so a fast sender waits for the handler: what waits is those messages and at most the
+    stream's window (session.STREAM_WINDOW, 4 MiB). A message that cannot be
     read raises RpcError(EREQUEST).
     """
 
