@@ -8,8 +8,10 @@ Run by hand from the repository root:
 An `h2` client connection builds `--batch` unary calls (16 B, the headers grpcio sends) into one
 buffer; one server `H2Session` (aiobrpc/server/grpc/session.py) reads it as one read would, runs
 the handlers (GrpcTestService.Unary of tests/grpc) and writes its replies to a transport that
-keeps them; the client reads the replies and gives the window back. Only the session's part is
-timed (process CPU time), `--rounds` times.
+keeps them; the client reads the replies and gives the window back, and the next buffer starts
+with the two WINDOW_UPDATEs (the stream's, the connection's) grpcio sends for each reply
+(`--no-window-updates` leaves them out). Only the session's part is timed (process CPU time),
+`--rounds` times.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import h2.config  # noqa: E402
 import h2.connection  # noqa: E402
 import h2.events  # noqa: E402
+from hyperframe.frame import WindowUpdateFrame  # noqa: E402
 
 import aiobrpc  # noqa: E402
 from aiobrpc import Server, ServerOptions  # noqa: E402
@@ -75,7 +78,7 @@ class FakeConnection:
         pass
 
 
-async def measure(batch: int, rounds: int, profile: bool) -> None:
+async def measure(batch: int, rounds: int, profile: bool, grpcio_updates: bool) -> None:
     server = Server(ServerOptions())
     server.add_service(GrpcTest())
     loop = asyncio.get_running_loop()
@@ -90,12 +93,13 @@ async def measure(batch: int, rounds: int, profile: bool) -> None:
     conn.transport.out.clear()
     profiler = cProfile.Profile() if profile else None
     spent = 0.0
+    pending_updates = b""
     for _ in range(rounds):
         for _ in range(batch):
             sid = client.get_next_available_stream_id()
             client.send_headers(sid, HEADERS)
             client.send_data(sid, message, end_stream=True)
-        data = client.data_to_send()
+        data = pending_updates + client.data_to_send()
         if profiler:
             profiler.enable()
         t = time.process_time()
@@ -105,10 +109,16 @@ async def measure(batch: int, rounds: int, profile: bool) -> None:
         spent += time.process_time() - t
         if profiler:
             profiler.disable()
+        updates = []
         for ev in client.receive_data(b"".join(conn.transport.out)):
             if isinstance(ev, h2.events.DataReceived):
                 client.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                if grpcio_updates:  # as grpcio does: the stream's window and the connection's, every reply
+                    n = ev.flow_controlled_length
+                    updates += [WindowUpdateFrame(ev.stream_id, window_increment=n).serialize(),
+                                WindowUpdateFrame(0, window_increment=n).serialize()]
         conn.transport.out.clear()
+        pending_updates = b"".join(updates)
     calls = batch * rounds
     if server.stats.requests != calls or server.stats.failed_requests:
         raise SystemExit(f"{server.stats.requests} requests, {server.stats.failed_requests} failed: expected {calls} ok")
@@ -147,8 +157,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="calls per read (default 32)")
     parser.add_argument("--rounds", type=int, default=100, help="reads (default 100)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions")
+    parser.add_argument("--no-window-updates", action="store_true",
+                        help="leave out the two WINDOW_UPDATEs grpcio sends for each reply")
     args = parser.parse_args()
-    asyncio.run(measure(args.batch, args.rounds, args.profile))
+    asyncio.run(measure(args.batch, args.rounds, args.profile, not args.no_window_updates))
 
 
 if __name__ == "__main__":
