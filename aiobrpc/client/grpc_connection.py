@@ -51,6 +51,10 @@ _STREAM_WINDOW = 4 * 1024 * 1024
 _CONNECTION_WINDOW = 16 * 1024 * 1024
 _H2_DEFAULT_WINDOW = 65535
 _ERROR_BODY_SHOWN = 256  # bytes of a non-gRPC reply's body quoted in the error
+# The server's DEADLINE_EXCEEDED and the call's own timer race for the same deadline: a status
+# this close to it leaves the call to its timer ("Reached timeout", counted as a timeout).
+DEADLINE_RACE_S = 0.05
+_AFTER_THE_DEADLINE_S = 0.005  # past the call's timer (client/deadlines.py: up to 1 ms late)
 
 _h2 = None  # the h2 names this module uses, once imported (_import_h2)
 
@@ -564,10 +568,14 @@ class GrpcConnection:
             attempt.on_failed(stream.failure)
             return
         reply = _reply_of(stream)
-        if type(reply) is RpcError:
-            attempt.on_failed(reply)
-        else:
-            attempt.on_response(reply)
+        if stream.status == wire.DEADLINE_EXCEEDED:
+            deadline = attempt.call.deadline
+            if deadline is not None and self.loop.time() >= deadline - DEADLINE_RACE_S:
+                # The server's timer ran out with the call's (grpc-timeout is the time left): the
+                # call's own timer ends it as a timeout; this reply, only if that has not happened.
+                self.loop.call_at(deadline + _AFTER_THE_DEADLINE_S, _deliver, attempt, reply)
+                return
+        _deliver(attempt, reply)
 
     def _on_stream_reset(self, ev) -> None:
         stream_id = ev.stream_id
@@ -672,6 +680,13 @@ class GrpcConnection:
             transport.abort()
         except RuntimeError:  # "Event loop is closed"
             pass
+
+
+def _deliver(attempt, reply) -> None:
+    if type(reply) is RpcError:
+        attempt.on_failed(reply)
+    else:
+        attempt.on_response(reply)
 
 
 def _reply_of(stream: _Stream):

@@ -32,7 +32,7 @@ from ..errors import (ECANCELED, EFAILEDSOCKET, EHTTP, EINTERNAL, ELIMIT, EREQUE
                       LocalProtocolError, RpcError)
 from ..protocol import grpc as wire
 from .call import CallbackFailed
-from .grpc_connection import GrpcConnection
+from .grpc_connection import DEADLINE_RACE_S, GrpcConnection
 from .pool import GRPC, SINGLE
 
 MAX_QUEUED_MESSAGES = 16  # response messages received and not yet read by the caller
@@ -325,6 +325,9 @@ class StreamingCall:
             return RpcError(EHTTP, text)
         if self.status is None:
             return RpcError(ERESPONSE, "the gRPC reply ended without grpc-status")
+        if self.status == wire.DEADLINE_EXCEEDED and self.deadline is not None \
+                and self.loop.time() >= self.deadline - DEADLINE_RACE_S:
+            return self._timeout_error()  # the server's timer ran out before ours: the same deadline
         if self.status != wire.OK:
             return RpcError(wire.brpc_code_of(self.status),
                             self.message or wire.STATUS_NAMES.get(self.status, f"gRPC status {self.status}"))
@@ -418,9 +421,12 @@ class StreamingCall:
         self.timer = None
         if self.finished:
             return
+        self._end(self._timeout_error())
+
+    def _timeout_error(self) -> RpcError:
         self.channel.stats.timeouts += 1
         where = self.conn.peer if self.conn is not None else self.pool.address if self.pool else self.channel.address
-        self._end(RpcError(ERPCTIMEDOUT, f"Reached timeout={self.timeout_ms}ms @{where}"))
+        return RpcError(ERPCTIMEDOUT, f"Reached timeout={self.timeout_ms}ms @{where}")
 
     def _end(self, err: BaseException | None, reset: bool = True, keep_messages: bool = False) -> None:
         """Decide the call's outcome, once: `err` or success (None). A reset stream tells the

@@ -124,6 +124,26 @@ async def test_each_grpc_status_becomes_brpcs_code(server):
         assert wire.brpc_code_of(wire.RESOURCE_EXHAUSTED) == errors.ELIMIT
 
 
+async def test_the_servers_deadline_status_at_our_deadline_is_our_timeout(server):
+    # grpc-timeout is the time left: the server's timer and the call's run out together, and the
+    # server's DEADLINE_EXCEEDED may come first. Near the deadline the call ends as its own timeout.
+    async with grpc_channel(server.port, max_retry=0) as channel:
+        stub = aiobrpc.Stub(channel, SERVICE)
+        cntl = Controller(timeout_ms=400)
+        racing = EchoRequest(message="racing", sleep_ms=380, fail_code=wire.DEADLINE_EXCEEDED, fail_text="racing")
+        with pytest.raises(RpcError) as info:
+            await stub.Echo(racing, cntl)
+        assert info.value.code == errors.ERPCTIMEDOUT and "timeout=400ms" in cntl.error_text
+        assert channel.stats.timeouts == 1
+        # far from the deadline, DEADLINE_EXCEEDED is the server's own: its text stands
+        cntl = Controller(timeout_ms=10000)
+        early = EchoRequest(message="early", fail_code=wire.DEADLINE_EXCEEDED, fail_text="server's own limit")
+        with pytest.raises(RpcError) as info:
+            await stub.Echo(early, cntl)
+        assert info.value.code == errors.ERPCTIMEDOUT and cntl.error_text == "server's own limit"
+        assert channel.stats.timeouts == 1
+
+
 async def test_unknown_method_is_unimplemented(server):
     async with grpc_channel(server.port, max_retry=0) as channel:
         with pytest.raises(RpcError) as info:

@@ -353,7 +353,9 @@ async def test_leaving_early_resets_the_stream(kind, grpcio_server):
                 stopped.set()
         async with stub.Bidi(requests()) as s:
             assert (await asyncio.wait_for(s.read(), WAIT)).text == "BIDI-WITH"
-        assert await gone(obs, "bidi-with")
+        assert channel._conn.h2.open_outbound_streams == 0  # reset, not left open
+        if kind == "aiobrpc":  # grpc.aio may end the handler's request iterator quietly instead
+            assert await gone(obs, "bidi-with")
         await asyncio.wait_for(stopped.wait(), WAIT)
         # cancel() while a read waits
         stream = stub.ServerStream(Msg(text="cancel", count=10, sleep_ms=3000))
@@ -422,6 +424,26 @@ async def test_deadline_mid_stream_is_erpctimedout(kind, grpcio_server):
         with pytest.raises(RpcError) as info:
             await asyncio.wait_for(stub_of(channel).ClientStream(requests(), cntl), WAIT)
         assert info.value.code == errors.ERPCTIMEDOUT == cntl.error_code
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_servers_deadline_status_at_our_deadline_is_our_timeout(kind, grpcio_server):
+    # grpc-timeout is the time left: the server's timer and ours run out together, and the
+    # server's DEADLINE_EXCEEDED may come first. Near the deadline it ends the call as ours does.
+    async with serving(kind, grpcio_server) as (address, _), grpc_channel(address) as channel:
+        cntl = Controller(timeout_ms=400)
+        ending = Msg(text="racing", count=1, sleep_ms=380, error_code=errors.ERPCTIMEDOUT)
+        with pytest.raises(RpcError) as info:
+            await collect(stub_of(channel).ServerStream(ending, cntl))
+        assert info.value.code == errors.ERPCTIMEDOUT and "timeout=400ms" in cntl.error_text
+        assert channel.stats.timeouts == 1
+        # far from the deadline, DEADLINE_EXCEEDED is the server's own: its text stands
+        cntl = Controller(timeout_ms=10000)
+        early = Msg(text="server's own limit", count=0, error_code=errors.ERPCTIMEDOUT)
+        with pytest.raises(RpcError) as info:
+            await collect(stub_of(channel).ServerStream(early, cntl))
+        assert info.value.code == errors.ERPCTIMEDOUT and cntl.error_text == "server's own limit"
+        assert channel.stats.timeouts == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
