@@ -14,6 +14,7 @@ _compiled.install()  # first: AIOBRPC_NO_EXTENSIONS=1 must load the pure sources
 from . import errors
 from .client.backup import BackupRequestPolicy, LatencyQuantileBackupPolicy, RateLimitedBackupPolicy
 from .client.channel import Channel
+from .client.grpc_stream import ResponseStream
 from .client.combo import (CallMapper, DynamicPartitionChannel, MergeResult, ParallelChannel, ParallelChannelOptions,
                            Partition, PartitionChannel, PartitionChannelOptions, PartitionParser, ResponseMerger,
                            SelectiveChannel, SubCall)
@@ -32,7 +33,8 @@ __all__ = [
     "DynamicPartitionChannel", "EtcdRegistration", "FixedBackoffRetryPolicy", "JitteredBackoffRetryPolicy",
     "LatencyQuantileBackupPolicy", "LocalProtocolError", "MergeResult", "ParallelChannel",
     "ParallelChannelOptions", "Partition", "PartitionChannel", "PartitionChannelOptions", "PartitionParser",
-    "RateLimitedBackupPolicy", "RemoteProtocolError", "ResponseMerger", "RetryPolicy", "RetryThrottle",
+    "RateLimitedBackupPolicy", "RemoteProtocolError", "ResponseMerger", "ResponseStream", "RetryPolicy",
+    "RetryThrottle",
     "RpcChannel", "RpcError", "SelectiveChannel", "Server", "ServerOptions", "ServerTlsOptions", "Servicer",
     "Stream", "StreamHandler", "Stub", "SubCall", "errors", "event_loop_policy", "implementation",
 ]

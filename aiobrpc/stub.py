@@ -68,23 +68,21 @@ class _StreamingMethod(_Method):
         self.server_streaming = method_descriptor.server_streaming
 
     def __call__(self, request, cntl=None):
-        from .client import grpc_stream
-        from .errors import RpcError
-        try:
-            grpc_stream.refuse_unless_grpc(self._channel, self.method_name)
-        except RpcError as e:
-            if cntl is not None:
-                cntl.error_code, cntl.error_text = e.code, e.text
-            raise
-        name = f"{self.service_name}.{self.method_name}"
-        if self.client_streaming:
-            grpc_stream.check_requests(name, request, self.request_class)
-        elif type(request) is not self.request_class and not isinstance(request, self.request_class):
-            raise TypeError(f"{name} takes a {self.request_class.DESCRIPTOR.full_name}, got {type(request).__name__}")
-        start = (grpc_stream.bidi_streaming if self.client_streaming else grpc_stream.server_streaming) \
-            if self.server_streaming else grpc_stream.client_streaming
-        return start(self._channel, self.service_name, self.method_name, request, self.request_class,
-                     self.response_class, cntl)
+        return call_streaming(self._channel, self.service_name, self.method_name, request, self.request_class,
+                              self.response_class, self.client_streaming, self.server_streaming, cntl)
+
+
+def call_streaming(channel, service_name: str, method_name: str, request, request_class, response_class,
+                   client_streaming: bool, server_streaming: bool, cntl=None) -> Any:
+    """Call the streaming rpc `service_name.method_name` over `channel`, an aiobrpc.Channel with
+    ChannelOptions(protocol="grpc") (what Stub and the generated typed stubs do): `request` is one
+    message, or for a client-streaming rpc an iterable or async iterable of them. A server-
+    streaming or bidirectional rpc returns an `aiobrpc.ResponseStream` at once; a client-
+    streaming one an awaitable of its response. Over another channel RpcError(EREQUEST), and for
+    a request of another type TypeError, before anything is sent."""
+    from .client import grpc_stream
+    return grpc_stream.call(channel, service_name, method_name, request, request_class, response_class,
+                            client_streaming, server_streaming, cntl)
 
 
 class Stub:

@@ -23,7 +23,7 @@ import inspect
 import time
 from collections import deque
 from collections.abc import AsyncIterable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import EncodeError, Message
 
@@ -484,7 +484,10 @@ def _current_task():
         return None
 
 
-class ResponseStream:
+ResponseT = TypeVar("ResponseT")
+
+
+class ResponseStream(Generic[ResponseT]):
     """The responses of a server-streaming or bidirectional call, in order.
 
     `async for response in stream`, or `await stream.read()` (None after the last). A failure
@@ -504,20 +507,21 @@ class ResponseStream:
         """The call's controller: its error, remote side and response metadata once it ended."""
         return self._call.cntl
 
-    def __aiter__(self) -> ResponseStream:
+    def __aiter__(self) -> ResponseStream[ResponseT]:
         return self
 
-    async def __anext__(self):
+    async def __anext__(self) -> ResponseT:
         response = await self.read()
         if response is None:
             raise StopAsyncIteration
         return response
 
-    async def read(self):
+    async def read(self) -> ResponseT | None:
         """The next response; None once the server ended the stream with status OK."""
         call = self._call
         try:
-            return await call.read()
+            response: ResponseT | None = await call.read()
+            return response
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -534,7 +538,7 @@ class ResponseStream:
         """Whether the call's outcome is decided (responses may still be queued)."""
         return self._call.finished
 
-    async def __aenter__(self) -> ResponseStream:
+    async def __aenter__(self) -> ResponseStream[ResponseT]:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -553,21 +557,45 @@ class ResponseStream:
         return f"<ResponseStream {call.service_name}/{call.method_name} {'done' if call.finished else 'open'}>"
 
 
-def server_streaming(channel, service_name: str, method_name: str, request, request_class, response_class,
+def call(channel, service_name: str, method_name: str, request, request_class, response_class,
+         client_streaming: bool, server_streaming: bool, cntl: Controller | None = None) -> Any:
+    """Call a streaming rpc over `channel` (an aiobrpc.Channel with protocol "grpc"):
+    `request` is one message, or for `client_streaming` an iterable or async iterable of them.
+    A ResponseStream for `server_streaming`, else an awaitable of the one response. Raises
+    RpcError(EREQUEST) over any other channel and TypeError for a request of another type,
+    before anything is sent (`cntl` holds the EREQUEST too)."""
+    name = f"{service_name}.{method_name}"
+    try:
+        refuse_unless_grpc(channel, method_name)
+    except RpcError as e:
+        if cntl is not None:
+            cntl.error_code, cntl.error_text = e.code, e.text
+        raise
+    if client_streaming:
+        check_requests(name, request, request_class)
+    elif type(request) is not request_class and not isinstance(request, request_class):
+        raise TypeError(f"{name} takes a {request_class.DESCRIPTOR.full_name}, got {type(request).__name__}")
+    if not server_streaming:
+        return client_streaming_call(channel, service_name, method_name, request, request_class, response_class, cntl)
+    start = bidi_streaming_call if client_streaming else server_streaming_call
+    return start(channel, service_name, method_name, request, request_class, response_class, cntl)
+
+
+def server_streaming_call(channel, service_name: str, method_name: str, request, request_class, response_class,
                      cntl: Controller | None) -> ResponseStream:
     call = StreamingCall(channel, service_name, method_name, request_class, response_class, False, cntl)
     call.start(request, None)
     return ResponseStream(call)
 
 
-def bidi_streaming(channel, service_name: str, method_name: str, requests, request_class, response_class,
+def bidi_streaming_call(channel, service_name: str, method_name: str, requests, request_class, response_class,
                    cntl: Controller | None) -> ResponseStream:
     call = StreamingCall(channel, service_name, method_name, request_class, response_class, False, cntl)
     call.start(None, requests)
     return ResponseStream(call)
 
 
-async def client_streaming(channel, service_name: str, method_name: str, requests, request_class,
+async def client_streaming_call(channel, service_name: str, method_name: str, requests, request_class,
                            response_class, cntl: Controller | None) -> Any:
     call = StreamingCall(channel, service_name, method_name, request_class, response_class, True, cntl)
     call.start(None, requests)

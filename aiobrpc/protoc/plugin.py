@@ -124,8 +124,6 @@ def generate_file(file: descriptor_pb2.FileDescriptorProto, messages: dict[str, 
     used = {file.name}  # its DESCRIPTOR names the services
     for service in file.service:
         for m in service.method:
-            if m.client_streaming or m.server_streaming:
-                continue  # left out below
             for type_name in (m.input_type, m.output_type):
                 if type_name not in messages:
                     raise PluginError(f"{file.name}: {service.name}.{m.name} uses {type_name.lstrip('.')}, "
@@ -155,11 +153,11 @@ def generate_file(file: descriptor_pb2.FileDescriptorProto, messages: dict[str, 
                 raise PluginError(f"{what} would replace the attribute {m.name!r} of the generated classes")
             if m.client_streaming or m.server_streaming:
                 streaming.append(m.name)
-                continue
             methods.append(Method(
                 name=m.name, request_type=python_type(m.input_type), request_full_name=m.input_type.lstrip("."),
                 response_type=python_type(m.output_type),
-                comment=comments.get((_SERVICE_PATH, si, _METHOD_PATH, mi), "")))
+                comment=comments.get((_SERVICE_PATH, si, _METHOD_PATH, mi), ""),
+                client_streaming=m.client_streaming, server_streaming=m.server_streaming))
         services.append(Service(name=service.name, full_name=full_name, methods=methods, streaming=streaming,
                                 comment=comments.get((_SERVICE_PATH, si), "")))
     return Module(source=file.name, imports=imports.lines(), descriptor_module=imports.name(file.name),

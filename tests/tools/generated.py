@@ -18,7 +18,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 PROTO_DIR = ROOT / "proto"
 OUT_DIR = ROOT / "aiobrpc" / "_proto"
-SOURCES = ["echo.proto", "interop.proto", "ps.proto", "tensor.proto", "collective.proto"]
+SOURCES = ["echo.proto", "interop.proto", "ps.proto", "tensor.proto", "collective.proto", "grpc_test.proto"]
 PATTERNS = ("*_aiobrpc.py", "*_pb2.pyi")
 
 

@@ -19,7 +19,7 @@ import pytest
 import aiobrpc
 import aiobrpc.sync
 from aiobrpc import errors
-from aiobrpc._proto import echo_aiobrpc, echo_pb2, interop_aiobrpc, interop_pb2
+from aiobrpc._proto import echo_aiobrpc, echo_pb2, grpc_test_aiobrpc, grpc_test_pb2, interop_aiobrpc, interop_pb2
 from aiobrpc.protoc import plugin
 from google.protobuf import descriptor_pb2
 from google.protobuf.compiler import plugin_pb2
@@ -104,6 +104,43 @@ async def test_a_method_not_overridden_fails_as_brpc_does():
                 await stub.StartStream(interop_pb2.EchoRequest(message="a"))
             assert e.value.code == errors.EINTERNAL
             assert e.value.text.endswith("Method StartStream() not implemented.")
+    finally:
+        await stop(server)
+
+
+class Streams(grpc_test_aiobrpc.GrpcTestServiceServicer):
+    """The streaming rpcs of grpc_test.proto on the generated servicer; Bidi left as generated."""
+
+    async def ServerStream(self, request: grpc_test_pb2.GrpcMessage,
+                           cntl: aiobrpc.Controller) -> typing.AsyncIterator[grpc_test_pb2.GrpcMessage]:
+        for i in range(request.count):
+            yield grpc_test_pb2.GrpcMessage(text=request.text, count=i)
+
+    async def ClientStream(self, requests: typing.AsyncIterator[grpc_test_pb2.GrpcMessage],
+                           cntl: aiobrpc.Controller) -> grpc_test_pb2.GrpcMessage:
+        return grpc_test_pb2.GrpcMessage(text=",".join([r.text async for r in requests]))
+
+
+async def test_generated_stub_calls_streaming_rpcs_over_grpc():
+    server = await serve(Streams())
+    try:
+        options = aiobrpc.ChannelOptions(protocol="grpc", timeout_ms=5000, max_retry=0)
+        async with aiobrpc.Channel(server.address, options) as channel:
+            stub = grpc_test_aiobrpc.GrpcTestServiceStub(channel)
+            got = [m.count async for m in stub.ServerStream(grpc_test_pb2.GrpcMessage(text="s", count=3))]
+            assert got == [0, 1, 2]
+            reply = await stub.ClientStream(grpc_test_pb2.GrpcMessage(text=t) for t in "abc")
+            assert reply.text == "a,b,c"
+            # Bidi is not overridden: the generated method fails as brpc's do, from the first read
+            with pytest.raises(aiobrpc.RpcError) as e:
+                await stub.Bidi([grpc_test_pb2.GrpcMessage(text="x")]).read()
+            assert e.value.code == errors.EINTERNAL and e.value.text.endswith("Method Bidi() not implemented.")
+            with pytest.raises(TypeError, match="takes a aiobrpc.test.GrpcMessage, got EchoRequest"):
+                stub.ServerStream(echo_pb2.EchoRequest())  # type: ignore[arg-type]
+        async with aiobrpc.Channel(server.address) as channel:  # baidu_std: refused before sending
+            with pytest.raises(aiobrpc.RpcError) as e:
+                grpc_test_aiobrpc.GrpcTestServiceStub(channel).ServerStream(grpc_test_pb2.GrpcMessage())
+            assert e.value.code == errors.EREQUEST and "call it over gRPC" in e.value.text
     finally:
         await stop(server)
 
@@ -247,11 +284,20 @@ def test_a_proto_without_services_gets_no_module(tmp_path):
     assert not response.error and len(response.file) == 0
 
 
-def test_streaming_rpcs_are_left_out_with_a_note(tmp_path):
+def test_streaming_rpcs_are_on_the_async_stub_and_servicer_only(tmp_path):
     files = {"shop/common/money.proto": COMMON, "shop/orders.proto": ORDERS}
     _, content = only_file(plugin.generate(request_for(tmp_path, files, ["shop/orders.proto"])))
-    assert "def Watch" not in content
-    assert content.count("    # Watch: not generated, a streaming rpc.") == 3  # stub, sync stub, servicer
+    stub, sync, servicer = (content[content.index(f"class {c}"):] for c in
+                            ("OrdersStub", "OrdersSyncStub", "OrdersServicer"))
+    stub = stub[:stub.index("class OrdersSyncStub")]
+    sync = sync[:sync.index("class OrdersServicer")]
+    assert "    def Watch(self, request: orders_pb2.Order," in stub
+    assert "-> aiobrpc.ResponseStream[orders_pb2.Order]:" in stub
+    assert "aiobrpc.stub.call_streaming(" in stub
+    assert "def Watch" not in sync
+    assert sync.count("    # Watch: streaming, not here: OrdersStub calls it over gRPC") == 1
+    assert "    async def Watch(self, request: orders_pb2.Order," in servicer
+    assert "-> typing.AsyncIterator[orders_pb2.Order]:" in servicer
 
 
 @pytest.mark.parametrize(("rpc", "error"), [
@@ -302,7 +348,10 @@ def test_python_m_aiobrpc_protoc_end_to_end(tmp_path):
         assert hints["request"] is orders_pb2.Order and hints["return"] is money_pb2.Money, hints
         assert typing.get_type_hints(orders_aiobrpc.OrdersServicer.Nothing)["return"] is money_pb2.Money.Currency
         assert orders_aiobrpc.OrdersServicer.SERVICE.full_name == "shop.Orders"
-        assert not hasattr(orders_aiobrpc.OrdersStub, "Watch")
+        import aiobrpc
+        watch = typing.get_type_hints(orders_aiobrpc.OrdersStub.Watch)["return"]
+        assert watch == aiobrpc.ResponseStream[orders_pb2.Order], watch
+        assert not hasattr(orders_aiobrpc.OrdersSyncStub, "Watch")
         import inspect  # getdoc: 3.13 strips docstrings' indentation when compiling, earlier ones do not
         print(inspect.getdoc(orders_aiobrpc.OrdersStub))
         print(inspect.getdoc(orders_aiobrpc.OrdersStub.Place))

@@ -19,11 +19,13 @@ TIMEOUT_S = 300
 
 # `# type: ignore[...]` lines must be needed: --strict warns about unused ones.
 PROBE = '''\
+import typing
+
 from typing_extensions import assert_type
 
 import aiobrpc
 import aiobrpc.sync
-from aiobrpc._proto import echo_aiobrpc, echo_pb2
+from aiobrpc._proto import echo_aiobrpc, echo_pb2, grpc_test_aiobrpc, grpc_test_pb2
 
 
 def sync_probe(channel: aiobrpc.sync.Channel) -> None:
@@ -44,6 +46,29 @@ def combo_probe(parallel: aiobrpc.ParallelChannel, selective: aiobrpc.SelectiveC
     echo_aiobrpc.EchoServiceStub(parallel)  # any aiobrpc.RpcChannel
     echo_aiobrpc.EchoServiceStub(selective)
     echo_aiobrpc.EchoServiceStub(object())  # type: ignore[arg-type]
+
+
+async def streaming_probe(channel: aiobrpc.Channel) -> None:
+    stub = grpc_test_aiobrpc.GrpcTestServiceStub(channel)
+    one = grpc_test_pb2.GrpcMessage()
+    stream = stub.ServerStream(one)
+    assert_type(stream, aiobrpc.ResponseStream[grpc_test_pb2.GrpcMessage])
+    assert_type(await stream.read(), grpc_test_pb2.GrpcMessage | None)
+    async for message in stub.Bidi([one]):
+        assert_type(message, grpc_test_pb2.GrpcMessage)
+    assert_type(await stub.ClientStream([one]), grpc_test_pb2.GrpcMessage)
+    stub.ServerStream(echo_pb2.EchoRequest())  # type: ignore[arg-type]
+    await stub.ClientStream(one)  # type: ignore[arg-type]
+
+
+class Streams(grpc_test_aiobrpc.GrpcTestServiceServicer):
+    async def ServerStream(self, request: grpc_test_pb2.GrpcMessage,
+                           cntl: aiobrpc.Controller) -> typing.AsyncIterator[grpc_test_pb2.GrpcMessage]:
+        yield request
+
+    async def ClientStream(self, requests: typing.AsyncIterator[grpc_test_pb2.GrpcMessage],
+                           cntl: aiobrpc.Controller) -> grpc_test_pb2.GrpcMessage:
+        return [r async for r in requests][-1]
 
 
 class WrongRequest(echo_aiobrpc.EchoServiceServicer):
