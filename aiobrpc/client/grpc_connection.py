@@ -480,40 +480,20 @@ class GrpcConnection:
             if streaming is not None:
                 streaming.on_headers(ev.headers)
             return
-        for name, value in ev.headers:
-            if name == b":status":
-                stream.http_status = int(value)
-            elif name == b"content-type":
-                stream.grpc_reply = value.startswith(b"application/grpc")
-            elif name == b"grpc-encoding":
-                try:
-                    stream.encoding = wire.parse_encoding(value)
-                except wire.GrpcProtocolError as e:
-                    stream.failure = RpcError(ERESPONSE, str(e))
-        self._read_status(stream, ev.headers)  # a trailers-only reply carries the status here
+        err = read_headers(stream, ev.headers)
+        if err is not None:
+            stream.failure = err
 
     def _on_trailers(self, ev) -> None:
         stream = self._streams.get(ev.stream_id)
         if stream is not None:
-            self._read_status(stream, ev.headers)
+            err = read_trailers(stream, ev.headers)
+            if err is not None:
+                stream.failure = err
         elif self._streaming:
             streaming = self._streaming.get(ev.stream_id)
             if streaming is not None:
                 streaming.on_trailers(ev.headers)
-
-    def _read_status(self, stream: _Stream, headers) -> None:
-        try:
-            stream.fields.extend(wire.user_fields_of_headers(headers).items())
-        except wire.GrpcProtocolError as e:
-            stream.failure = RpcError(ERESPONSE, str(e))
-        for name, value in headers:
-            if name == b"grpc-status":
-                try:
-                    stream.status = int(value)
-                except ValueError:
-                    stream.failure = RpcError(ERESPONSE, f"grpc-status {value[:32]!r} is not a number")
-            elif name == b"grpc-message":
-                stream.message = wire.decode_grpc_message(value)
 
     def _on_data(self, ev) -> None:
         stream_id = ev.stream_id
@@ -689,19 +669,64 @@ def _deliver(attempt, reply) -> None:
         attempt.on_response(reply)
 
 
-def _reply_of(stream: _Stream):
-    """The GrpcReply of a stream that ended, or the RpcError its attempt fails with."""
-    status = stream.status
-    if status is None and (stream.http_status != 200 or not stream.grpc_reply):
-        text = f"HTTP/2 {stream.http_status}"
-        if stream.body_head:
-            text += ": " + stream.body_head.decode("utf-8", "replace")
-        if stream.http_status == 200:
+def read_headers(reply, headers) -> RpcError | None:
+    """Read a reply's HEADERS into `reply` (a unary _Stream or a StreamingCall): `:status`,
+    content-type, grpc-encoding, then what `read_trailers` reads (a trailers-only reply carries
+    the status here). The error the reply fails with, if any."""
+    err = None
+    for name, value in headers:
+        if name == b":status":
+            reply.http_status = int(value)
+        elif name == b"content-type":
+            reply.grpc_reply = value.startswith(b"application/grpc")
+        elif name == b"grpc-encoding":
+            try:
+                reply.encoding = wire.parse_encoding(value)
+            except wire.GrpcProtocolError as e:
+                err = RpcError(ERESPONSE, str(e))
+    return read_trailers(reply, headers) or err
+
+
+def read_trailers(reply, headers) -> RpcError | None:
+    """Read metadata, grpc-status and grpc-message into `reply`; the error it fails with, if any."""
+    err = None
+    try:
+        reply.fields.extend(wire.user_fields_of_headers(headers).items())
+    except wire.GrpcProtocolError as e:
+        err = RpcError(ERESPONSE, str(e))
+    for name, value in headers:
+        if name == b"grpc-status":
+            try:
+                reply.status = int(value)
+            except ValueError:
+                err = RpcError(ERESPONSE, f"grpc-status {value[:32]!r} is not a number")
+        elif name == b"grpc-message":
+            reply.message = wire.decode_grpc_message(value)
+    return err
+
+
+def ended_without_status(reply) -> RpcError | None:
+    """The error of a reply that ended with no grpc-status (not gRPC: EHTTP, quoting the start of
+    its body; or ERESPONSE); None when it has one."""
+    if reply.status is not None:
+        return None
+    if reply.http_status != 200 or not reply.grpc_reply:
+        text = f"HTTP/2 {reply.http_status}"
+        if reply.body_head:
+            text += ": " + reply.body_head.decode("utf-8", "replace")
+        if reply.http_status == 200:
             text += " (not a gRPC reply: no content-type application/grpc)"
         return RpcError(EHTTP, text)
+    return RpcError(ERESPONSE, "the gRPC reply ended without grpc-status")
+
+
+def _reply_of(stream: _Stream):
+    """The GrpcReply of a stream that ended, or the RpcError its attempt fails with."""
+    err = ended_without_status(stream)
+    if err is not None:
+        return err
+    status = stream.status
     fields = stream.fields or None
-    if status is None:
-        return RpcError(ERESPONSE, "the gRPC reply ended without grpc-status")
     if status != wire.OK:
         text = stream.message or wire.STATUS_NAMES.get(status, f"gRPC status {status}")
         return GrpcReply(GrpcReplyMeta(wire.brpc_code_of(status), text, 0, fields), b"")

@@ -28,11 +28,11 @@ from typing import Any, Generic, TypeVar
 from google.protobuf.message import EncodeError, Message
 
 from ..controller import Controller
-from ..errors import (ECANCELED, EFAILEDSOCKET, EHTTP, EINTERNAL, ELIMIT, EREQUEST, ERESPONSE, ERPCTIMEDOUT,
+from ..errors import (ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, EREQUEST, ERESPONSE, ERPCTIMEDOUT,
                       LocalProtocolError, RpcError)
 from ..protocol import grpc as wire
 from .call import CallbackFailed
-from .grpc_connection import DEADLINE_RACE_S, GrpcConnection
+from .grpc_connection import DEADLINE_RACE_S, GrpcConnection, ended_without_status, read_headers, read_trailers
 from .pool import GRPC, SINGLE
 
 MAX_QUEUED_MESSAGES = 16  # response messages received and not yet read by the caller
@@ -239,34 +239,14 @@ class StreamingCall:
 
     # -- events from the GrpcConnection --------------------------------------------------------
     def on_headers(self, headers) -> None:
-        for name, value in headers:
-            if name == b":status":
-                self.http_status = int(value)
-            elif name == b"content-type":
-                self.grpc_reply = value.startswith(b"application/grpc")
-            elif name == b"grpc-encoding":
-                try:
-                    self.encoding = wire.parse_encoding(value)
-                except wire.GrpcProtocolError as e:
-                    self._end(RpcError(ERESPONSE, str(e)))
-                    return
-        self.on_trailers(headers)
+        err = read_headers(self, headers)
+        if err is not None:
+            self._end(err)
 
     def on_trailers(self, headers) -> None:
-        try:
-            self.fields.extend(wire.user_fields_of_headers(headers).items())
-        except wire.GrpcProtocolError as e:
-            self._end(RpcError(ERESPONSE, str(e)))
-            return
-        for name, value in headers:
-            if name == b"grpc-status":
-                try:
-                    self.status = int(value)
-                except ValueError:
-                    self._end(RpcError(ERESPONSE, f"grpc-status {value[:32]!r} is not a number"))
-                    return
-            elif name == b"grpc-message":
-                self.message = wire.decode_grpc_message(value)
+        err = read_trailers(self, headers)
+        if err is not None:
+            self._end(err)
 
     def on_data(self, data, flow_controlled: int) -> None:
         if self.finished:
@@ -316,15 +296,9 @@ class StreamingCall:
         self._end(self._outcome(), reset=not self.sent_all, keep_messages=True)
 
     def _outcome(self) -> RpcError | None:
-        if self.status is None and (self.http_status != 200 or not self.grpc_reply):
-            text = f"HTTP/2 {self.http_status}"
-            if self.body_head:
-                text += ": " + self.body_head.decode("utf-8", "replace")
-            if self.http_status == 200:
-                text += " (not a gRPC reply: no content-type application/grpc)"
-            return RpcError(EHTTP, text)
-        if self.status is None:
-            return RpcError(ERESPONSE, "the gRPC reply ended without grpc-status")
+        err = ended_without_status(self)
+        if err is not None:
+            return err
         if self.status == wire.DEADLINE_EXCEEDED and self.deadline is not None \
                 and self.loop.time() >= self.deadline - DEADLINE_RACE_S:
             return self._timeout_error()  # the server's timer ran out before ours: the same deadline
