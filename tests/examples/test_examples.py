@@ -133,6 +133,24 @@ def test_kv_service_from_a_proto(env, tmp_path):
     ]
 
 
+def test_grpc_chat_serves_grpcio_aiobrpc_grpc_and_baidu_std_on_one_port(env, tmp_path):
+    protoc = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{EXAMPLES / 'proto'}",
+                             f"--python_out={tmp_path}", str(EXAMPLES / "proto" / "chat.proto")],
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert protoc.returncode == 0, protoc.stderr
+    path = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    r = run("grpc_chat.py", env=dict(env, PYTHONPATH=path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "grpcio: you said 'hello'", "grpcio: news #1", "grpcio: news #2",
+        "aiobrpc gRPC Say: you said 'hi'",
+        "aiobrpc gRPC Subscribe: sports #1", "aiobrpc gRPC Subscribe: sports #2", "aiobrpc gRPC Subscribe: sports #3",
+        "aiobrpc gRPC Upload: 3 lines, 11 characters",
+        "aiobrpc gRPC Talk: PING", "aiobrpc gRPC Talk: PONG",
+        "baidu_std Say: you said 'hey'",
+    ]
+
+
 def test_kv_service_says_how_to_make_the_pb2_module(env):
     r = run("kv_service.py", env=env)
     assert r.returncode == 1
