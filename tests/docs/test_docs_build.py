@@ -36,7 +36,7 @@ def test_the_api_reference_documents_the_public_classes(site):
     for name in ("Channel", "ChannelOptions", "Controller", "Stub", "Server", "ServerOptions",
                  "Servicer", "RpcError", "errors", "RetryPolicy", "FixedBackoffRetryPolicy",
                  "JitteredBackoffRetryPolicy", "RetryThrottle", "BackupRequestPolicy",
-                 "RateLimitedBackupPolicy", "LatencyQuantileBackupPolicy"):
+                 "RateLimitedBackupPolicy", "LatencyQuantileBackupPolicy", "ResponseStream"):
         assert f'id="aiobrpc.{name}"' in html, name
     text = text_of(site / "api" / "index.html")
     for option in ("max_unwritten_bytes", "backup_request_policy", "non_idempotent_methods",
@@ -48,4 +48,4 @@ def test_the_api_reference_documents_the_public_classes(site):
 
 def test_the_examples_page_includes_the_programs(site):
     page = text_of(site / "examples" / "index.html")
-    assert "class EchoService" in page and "package example.kv;" in page
+    assert "class EchoService" in page and "package example.kv;" in page and "package example.chat;" in page
