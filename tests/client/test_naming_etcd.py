@@ -40,23 +40,33 @@ class Caller:
         self.stub = stub
         self.sides: list[str] = []
         self.failures: list[aiobrpc.RpcError] = []
+        self._begun = 0
+        self._done: list[tuple[int, str]] = []  # (which call, where it went)
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         while True:
             cntl = aiobrpc.Controller()
+            n = self._begun
+            self._begun += 1
             try:
                 await self.stub.Echo(Req(message="m"), cntl)
                 self.sides.append(cntl.remote_side)
+                self._done.append((n, cntl.remote_side))
             except aiobrpc.RpcError as e:
                 self.failures.append(e)
             await asyncio.sleep(0.005)
 
     def mark(self) -> int:
-        return len(self.sides)
+        """The calls begun so far. A call in flight at the mark was sent by the list before it:
+        `since` and `count_since` leave it out."""
+        return self._begun
 
     def since(self, mark: int) -> set[str]:
-        return set(self.sides[mark:])
+        return {side for n, side in self._done if n >= mark}
+
+    def count_since(self, mark: int) -> int:
+        return sum(1 for n, _ in self._done if n >= mark)
 
     async def stop(self) -> None:
         self._task.cancel()
@@ -121,7 +131,7 @@ async def test_calls_move_as_members_are_registered_and_removed(etcd):
             await client.delete(key_a)  # a leaves
             await eventually(lambda: list(channel.server_states()) == [f"127.0.0.1:{b.port}"])
             mark = caller.mark()
-            await eventually(lambda: len(caller.sides) >= mark + 10)
+            await eventually(lambda: caller.count_since(mark) >= 10)
             assert caller.since(mark) == {f"127.0.0.1:{b.port}"}
             await caller.stop()
             assert caller.failures == []
@@ -141,7 +151,7 @@ async def test_etcd_killed_keeps_the_list_and_the_channel_recovers_when_it_retur
             await eventually(lambda: any("connecting again" in w for w in naming_warnings(caplog)))
             mark = caller.mark()
             await asyncio.sleep(0.5)  # calls flow on the last list meanwhile
-            assert len(caller.sides) > mark + 10 and caller.since(mark) == {f"127.0.0.1:{a.port}"}
+            assert caller.count_since(mark) > 10 and caller.since(mark) == {f"127.0.0.1:{a.port}"}
             assert caller.failures == []
             # Logged once per fault (the watch broken, then connections refused), not per retry.
             logged = len([w for w in naming_warnings(caplog) if "connecting again" in w])
@@ -154,7 +164,7 @@ async def test_etcd_killed_keeps_the_list_and_the_channel_recovers_when_it_retur
                 await client.delete(key_a)
             await eventually(lambda: list(channel.server_states()) == [f"127.0.0.1:{b.port}"], timeout=8)
             mark = caller.mark()
-            await eventually(lambda: len(caller.sides) >= mark + 5)
+            await eventually(lambda: caller.count_since(mark) >= 5)
             assert caller.since(mark) == {f"127.0.0.1:{b.port}"}
             await caller.stop()
             assert caller.failures == []
