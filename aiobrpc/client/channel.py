@@ -25,7 +25,7 @@ from ..interceptors import chain
 from ..options import ChannelOptions
 from ..protocol import content
 from .call import Call, CallbackFailed
-from .deadlines import TimerWheel
+from ..deadlines import TimerWheel
 from .connection import ClientStats
 from .lb import create_load_balancer
 from .metrics import MethodTable

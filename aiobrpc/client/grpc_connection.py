@@ -54,7 +54,7 @@ _ERROR_BODY_SHOWN = 256  # bytes of a non-gRPC reply's body quoted in the error
 # The server's DEADLINE_EXCEEDED and the call's own timer race for the same deadline: a status
 # this close to it leaves the call to its timer ("Reached timeout", counted as a timeout).
 DEADLINE_RACE_S = 0.05
-_AFTER_THE_DEADLINE_S = 0.005  # past the call's timer (client/deadlines.py: up to 1 ms late)
+_AFTER_THE_DEADLINE_S = 0.005  # past the call's timer (deadlines.py: up to 1 ms late)
 
 _h2 = None  # the h2 names this module uses, once imported (_import_h2)
 

@@ -1,4 +1,4 @@
-"""Call deadlines and backup times share one loop timer per channel (client/deadlines.py,
+"""Call deadlines and backup times share one loop timer per channel (deadlines.py,
 issue 17): they still fire on time, never early, in order, and an ended call leaves nothing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest_asyncio
 
 import aiobrpc
 from aiobrpc import errors
-from aiobrpc.client.deadlines import TimerWheel
+from aiobrpc.deadlines import TimerWheel
 from tests.client.test_call_rules import Cluster, Req
 
 

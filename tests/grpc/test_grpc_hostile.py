@@ -247,6 +247,22 @@ async def test_a_server_side_deadline_ends_the_call_deadline_exceeded(server):
     body = Msg(sleep_ms=5000).SerializeToString()
     peer.h2.send_data(sid, b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
     peer.send()
+    started = asyncio.get_running_loop().time()
     assert await peer.read_until(lambda ev: trailers_of(ev, sid))
     assert trailers_of(peer.events, sid)[b"grpc-status"] == b"4"
+    assert asyncio.get_running_loop().time() - started < 2.0
+    # Deadlines are entries of the connection's one TimerWheel: calls that end first leave none.
+    session = next(iter(server.connections)).http
+    sids = []
+    for _ in range(20):
+        sids.append(peer.h2.get_next_available_stream_id())
+        peer.h2.send_headers(sids[-1], [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH),
+                                        (b":authority", b"x"), (b"content-type", b"application/grpc"),
+                                        (b"grpc-timeout", b"30S")])
+        body = Msg(text="fast").SerializeToString()
+        peer.h2.send_data(sids[-1], b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
+    peer.send()
+    assert await peer.read_until(lambda ev: all(trailers_of(ev, s) for s in sids))
+    assert {trailers_of(peer.events, s)[b"grpc-status"] for s in sids} == {b"0"}
+    assert len(session.deadlines) == 0
     peer.close()

@@ -108,7 +108,7 @@ class GrpcCall:
         self.reader: asyncio.Future | None = None  # RequestStream.read waiting for a message
         self.window_waiter: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: int | None = None  # the key of the deadline in session.deadlines
         self.request_done = False  # the client ended its side of the stream
         self.finished = False  # answered (trailers sent), reset, or lost: nothing more goes out
         self.headers_sent = False
@@ -161,7 +161,7 @@ class GrpcCall:
             self.entry = entry
             if timeout is not None:
                 timeout_ms = codec.parse_timeout_ms(timeout)
-                self.timer = self.loop.call_later(timeout_ms / 1000, self._deadline_passed)
+                self.timer = session.deadlines.add(self.loop.time() + timeout_ms / 1000, self)
             else:
                 timeout_ms = None
             if encoding is not None:
@@ -300,7 +300,8 @@ class GrpcCall:
         elif self.window_waiter is not None and not self.window_waiter.done():
             self.window_waiter.cancel()
 
-    def _deadline_passed(self) -> None:
+    def deadline_passed(self) -> None:
+        """The session's TimerWheel reached this call's grpc-timeout."""
         self.timer = None
         if self.finished:
             return
@@ -314,7 +315,7 @@ class GrpcCall:
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:
-            self.timer.cancel()
+            self.session.deadlines.remove(self.timer, self)
             self.timer = None
 
     def window_opened(self) -> None:

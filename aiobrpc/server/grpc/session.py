@@ -29,6 +29,7 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
+from ...deadlines import TimerWheel
 from ...protocol import h2_frames, hpack_memo  # noqa: F401  (h2_frames: h2's DATA frame repr made cheap)
 from ...transport.tcp import RateLimitedLog
 from .call import GrpcCall, respond_plain
@@ -61,6 +62,7 @@ class H2Session:
         self.conn = conn
         self.server = conn.server
         self.loop = conn.loop
+        self.deadlines = TimerWheel(self.loop, GrpcCall.deadline_passed)  # the calls' grpc-timeouts, one loop timer
         config = h2.config.H2Configuration(client_side=False, header_encoding=None,
                                            validate_outbound_headers=False, normalize_outbound_headers=False,
                                            validate_inbound_headers=False, normalize_inbound_headers=False)
@@ -283,6 +285,7 @@ class H2Session:
         for call in list(self.calls.values()):
             call.connection_lost()
         self.calls.clear()
+        self.deadlines.close()
 
     def respond_plain(self, stream_id: int, status: int, text: str) -> None:
         """An HTTP answer (not gRPC) to a request that is not a gRPC call."""

@@ -1,4 +1,6 @@
-"""Many calls' deadlines on one loop timer (issue 17): a call costs no TimerHandle.
+"""Many calls' deadlines on one loop timer (issue 17): a call costs no TimerHandle. A channel's
+calls (client/channel.py) and a gRPC connection's calls on the server (server/grpc/session.py)
+each share one.
 
 A `TimerWheel` keeps its entries in buckets of one millisecond, by the millisecond their time
 falls in (rounded up: an entry never fires early), and keeps one loop timer armed at the
