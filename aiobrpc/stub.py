@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
+from .errors import RpcError
+
 if TYPE_CHECKING:
     from .controller import Controller
 
@@ -46,8 +48,7 @@ class _Method:
     def __call__(self, request, cntl=None):
         # Returns the channel's coroutine itself: one coroutine frame less per call.
         if type(request) is not self.request_class and not isinstance(request, self.request_class):
-            raise TypeError(f"{self.service_name}.{self.method_name} takes a "
-                            f"{self.request_class.DESCRIPTOR.full_name}, got {type(request).__name__}")
+            raise _wrong_request(self.service_name, self.method_name, self.request_class, request)
         return self._channel.call_method(self.service_name, self.method_name, request,
                                          self.response_class, cntl)
 
@@ -78,11 +79,31 @@ def call_streaming(channel, service_name: str, method_name: str, request, reques
     ChannelOptions(protocol="grpc") (what Stub and the generated typed stubs do): `request` is one
     message, or for a client-streaming rpc an iterable or async iterable of them. A server-
     streaming or bidirectional rpc returns an `aiobrpc.ResponseStream` at once; a client-
-    streaming one an awaitable of its response. Over another channel RpcError(EREQUEST), and for
-    a request of another type TypeError, before anything is sent."""
+    streaming one an awaitable of its response. Over another channel RpcError(EREQUEST) (in
+    `cntl` too), and for a request of another type TypeError, before anything is sent."""
     from .client import grpc_stream
-    return grpc_stream.call(channel, service_name, method_name, request, request_class, response_class,
-                            client_streaming, server_streaming, cntl)
+    try:
+        grpc_stream.refuse_unless_grpc(channel, method_name)
+    except RpcError as e:
+        if cntl is not None:
+            cntl.error_code, cntl.error_text = e.code, e.text
+        raise
+    if client_streaming:
+        grpc_stream.check_requests(f"{service_name}.{method_name}", request, request_class)
+    elif type(request) is not request_class and not isinstance(request, request_class):
+        raise _wrong_request(service_name, method_name, request_class, request)
+    call = grpc_stream.StreamingCall(channel, service_name, method_name, request_class, response_class,
+                                     not server_streaming, cntl)
+    if client_streaming:
+        call.start(None, request)
+    else:
+        call.start(request, None)
+    return grpc_stream.ResponseStream(call) if server_streaming else call.result()
+
+
+def _wrong_request(service_name: str, method_name: str, request_class, request) -> TypeError:
+    return TypeError(f"{service_name}.{method_name} takes a {request_class.DESCRIPTOR.full_name}, "
+                     f"got {type(request).__name__}")
 
 
 class Stub:

@@ -356,23 +356,24 @@ class GrpcConnection:
 
     def _send_data(self, stream_id: int, stream: _Stream) -> bool:
         """Send what the flow-control windows allow of the stream's request; True when all went."""
+        stream.sent = self._send_window(stream_id, stream.out, stream.sent, True)
+        return stream.sent == len(stream.out)
+
+    def _send_window(self, stream_id: int, out: memoryview, sent: int, end: bool) -> int:
+        """Send what the flow-control windows allow of `out[sent:]` (END_STREAM with its last
+        byte when `end`); the bytes of `out` sent so far. h2 takes the memoryview's slices: the
+        frame it builds is the one copy."""
         h2 = self.h2
-        out = stream.out
         total = len(out)
-        sent = stream.sent
-        frame = h2.max_outbound_frame_size
-        while True:
-            window = h2.local_flow_control_window(stream_id)
-            n = min(window, frame, total - sent)
-            if n <= 0 and sent < total:
+        while sent < total:
+            n = min(h2.local_flow_control_window(stream_id), h2.max_outbound_frame_size, total - sent)
+            if n <= 0:
                 break
-            end = sent + n
-            h2.send_data(stream_id, out[sent:end].tobytes(), end_stream=end == total)
-            sent = end
-            if sent == total:
-                break
-        stream.sent = sent
-        return sent == total
+            h2.send_data(stream_id, out[sent:sent + n], end_stream=end and sent + n == total)
+            sent += n
+        if end and total == 0:
+            h2.end_stream(stream_id)
+        return sent
 
     def _transport_buffered(self) -> int:
         t = self.transport
@@ -424,17 +425,8 @@ class GrpcConnection:
     def write_stream(self, stream_id: int, out: memoryview, sent: int, end: bool) -> int:
         """Send what the flow-control windows allow of `out[sent:]` (END_STREAM with its last
         byte when `end`); the bytes of `out` sent so far."""
-        h2 = self.h2
-        total = len(out)
         try:
-            while sent < total:
-                n = min(h2.local_flow_control_window(stream_id), h2.max_outbound_frame_size, total - sent)
-                if n <= 0:
-                    break
-                h2.send_data(stream_id, out[sent:sent + n].tobytes(), end_stream=end and sent + n == total)
-                sent += n
-            if end and total == 0:
-                h2.end_stream(stream_id)
+            sent = self._send_window(stream_id, out, sent, end)
         except _h2.H2Error as e:
             raise RpcError(EFAILEDSOCKET, f"Fail to send on the gRPC stream to {self.peer}: {e!r}") from None
         self._flush()
@@ -508,8 +500,7 @@ class GrpcConnection:
         if stream is None or stream.failure is not None:
             return
         if not (stream.http_status == 200 and stream.grpc_reply):
-            if len(stream.body_head) < _ERROR_BODY_SHOWN:
-                stream.body_head += ev.data[:_ERROR_BODY_SHOWN - len(stream.body_head)]
+            keep_body_head(stream, ev.data)
             return
         try:
             stream.decoder.feed(ev.data)
@@ -703,6 +694,12 @@ def read_trailers(reply, headers) -> RpcError | None:
         elif name == b"grpc-message":
             reply.message = wire.decode_grpc_message(value)
     return err
+
+
+def keep_body_head(reply, data) -> None:
+    """Keep the start of a reply's body that is not gRPC, quoted by `ended_without_status`."""
+    if len(reply.body_head) < _ERROR_BODY_SHOWN:
+        reply.body_head += data[:_ERROR_BODY_SHOWN - len(reply.body_head)]
 
 
 def ended_without_status(reply) -> RpcError | None:

@@ -23,7 +23,7 @@ import inspect
 import time
 from collections import deque
 from collections.abc import AsyncIterable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from google.protobuf.message import EncodeError, Message
 
@@ -32,11 +32,11 @@ from ..errors import (ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, EREQUEST, ERE
                       LocalProtocolError, RpcError)
 from ..protocol import grpc as wire
 from .call import CallbackFailed
-from .grpc_connection import DEADLINE_RACE_S, GrpcConnection, ended_without_status, read_headers, read_trailers
+from .grpc_connection import (DEADLINE_RACE_S, GrpcConnection, ended_without_status, keep_body_head, read_headers,
+                              read_trailers)
 from .pool import GRPC, SINGLE
 
 MAX_QUEUED_MESSAGES = 16  # response messages received and not yet read by the caller
-_ERROR_BODY_SHOWN = 256
 
 _new_controller = object.__new__
 _EMPTY_DECODER = wire.MessageDecoder(0)  # never fed: holds no message
@@ -60,7 +60,7 @@ class StreamingCall:
     exactly once (`_end`) with the status, an error, the deadline or a cancel."""
 
     def __init__(self, channel, service_name: str, method_name: str, request_class, response_class,
-                 client_streaming: bool, cntl: Controller | None) -> None:
+                 one_response: bool, cntl: Controller | None) -> None:
         if cntl is None:
             cntl = _new_controller(Controller)
         else:
@@ -73,7 +73,7 @@ class StreamingCall:
         self.method_name = method_name
         self.request_class = request_class
         self.response_class = response_class
-        self.client_streaming = client_streaming
+        self.one_response = one_response  # a client-streaming rpc: exactly one response message
         self.loop = asyncio.get_running_loop()
         self.streams = None  # GrpcConnection._request reads it: no aiobrpc.Stream rides on gRPC
         self.serialized = b""  # idem: the request message of a call that sends exactly one
@@ -253,8 +253,7 @@ class StreamingCall:
             self._acknowledge(flow_controlled)
             return
         if not (self.http_status == 200 and self.grpc_reply):
-            if len(self.body_head) < _ERROR_BODY_SHOWN:
-                self.body_head += data[:_ERROR_BODY_SHOWN - len(self.body_head)]
+            keep_body_head(self, data)
             self._acknowledge(flow_controlled)
             return
         self.unacked += flow_controlled
@@ -281,7 +280,7 @@ class StreamingCall:
         if len(queue) < MAX_QUEUED_MESSAGES and self.unacked:  # the decoder holds no whole message
             self._acknowledge(self.unacked)
             self.unacked = 0
-        if self.client_streaming and self.received > 1:
+        if self.one_response and self.received > 1:
             self._end(RpcError(ERESPONSE, "a client-streaming gRPC reply carries more than one message"))
 
     def _acknowledge(self, n: int) -> None:
@@ -309,7 +308,7 @@ class StreamingCall:
             self.decoder.finish()
         except wire.GrpcProtocolError as e:
             return RpcError(ERESPONSE, f"Fail to parse gRPC response: {e}")
-        if self.client_streaming and self.received == 0:
+        if self.one_response and self.received == 0:
             return RpcError(ERESPONSE, "the gRPC reply carries no message")
         return None
 
@@ -330,7 +329,8 @@ class StreamingCall:
         """The next response, None after the last; raises what ended the call otherwise."""
         while not self.queue:
             if self.finished:
-                if not self._refill_after_end():
+                self._fill_queue()  # what the decoder still holds
+                if not self.queue:
                     if self.error is not None:
                         raise self.error
                     return None
@@ -341,24 +341,19 @@ class StreamingCall:
             finally:
                 self.reader = None
         compressed, payload = self.queue.popleft()
-        if not self.finished:
-            self._fill_queue()
+        self._fill_queue()
         return self._parse(compressed, payload)
 
-    def _refill_after_end(self) -> bool:
-        """The call ended well with messages still in the decoder: queue the next ones."""
-        for message in self.decoder:
-            self.queue.append(message)
-            if len(self.queue) >= MAX_QUEUED_MESSAGES:
-                break
-        return bool(self.queue)
-
     async def result(self):
-        """The one response of a client-streaming call, once the call ended."""
+        """The one response of a client-streaming call, once the call ended; cancelling the task
+        that awaits it cancels the call."""
         while not self.finished:
             fut = self.reader = self.loop.create_future()
             try:
                 await fut
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
             finally:
                 self.reader = None
         if self.error is not None:
@@ -529,55 +524,6 @@ class ResponseStream(Generic[ResponseT]):
     def __repr__(self) -> str:
         call = self._call
         return f"<ResponseStream {call.service_name}/{call.method_name} {'done' if call.finished else 'open'}>"
-
-
-def call(channel, service_name: str, method_name: str, request, request_class, response_class,
-         client_streaming: bool, server_streaming: bool, cntl: Controller | None = None) -> Any:
-    """Call a streaming rpc over `channel` (an aiobrpc.Channel with protocol "grpc"):
-    `request` is one message, or for `client_streaming` an iterable or async iterable of them.
-    A ResponseStream for `server_streaming`, else an awaitable of the one response. Raises
-    RpcError(EREQUEST) over any other channel and TypeError for a request of another type,
-    before anything is sent (`cntl` holds the EREQUEST too)."""
-    name = f"{service_name}.{method_name}"
-    try:
-        refuse_unless_grpc(channel, method_name)
-    except RpcError as e:
-        if cntl is not None:
-            cntl.error_code, cntl.error_text = e.code, e.text
-        raise
-    if client_streaming:
-        check_requests(name, request, request_class)
-    elif type(request) is not request_class and not isinstance(request, request_class):
-        raise TypeError(f"{name} takes a {request_class.DESCRIPTOR.full_name}, got {type(request).__name__}")
-    if not server_streaming:
-        return client_streaming_call(channel, service_name, method_name, request, request_class, response_class, cntl)
-    start = bidi_streaming_call if client_streaming else server_streaming_call
-    return start(channel, service_name, method_name, request, request_class, response_class, cntl)
-
-
-def server_streaming_call(channel, service_name: str, method_name: str, request, request_class, response_class,
-                     cntl: Controller | None) -> ResponseStream:
-    call = StreamingCall(channel, service_name, method_name, request_class, response_class, False, cntl)
-    call.start(request, None)
-    return ResponseStream(call)
-
-
-def bidi_streaming_call(channel, service_name: str, method_name: str, requests, request_class, response_class,
-                   cntl: Controller | None) -> ResponseStream:
-    call = StreamingCall(channel, service_name, method_name, request_class, response_class, False, cntl)
-    call.start(None, requests)
-    return ResponseStream(call)
-
-
-async def client_streaming_call(channel, service_name: str, method_name: str, requests, request_class,
-                           response_class, cntl: Controller | None) -> Any:
-    call = StreamingCall(channel, service_name, method_name, request_class, response_class, True, cntl)
-    call.start(None, requests)
-    try:
-        return await call.result()
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
 
 
 def check_requests(method: str, requests, request_class) -> None:
