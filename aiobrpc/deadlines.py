@@ -6,7 +6,10 @@ A `TimerWheel` keeps its entries in buckets of one millisecond, by the milliseco
 falls in (rounded up: an entry never fires early), and keeps one loop timer armed at the
 earliest bucket. Adding an entry is a dict lookup and an insert (a heap push for a bucket's
 first entry); removing one (the call ended first, the usual case) is a dict pop, and the
-bucket goes when it empties, so an ended call is never kept alive until its deadline. When the
+bucket goes when it empties, so an ended call is never kept alive until its deadline. The heap
+of bucket times is pruned lazily: emptied when the last entry goes, and rebuilt from the
+buckets once it holds more than twice as many times as there are buckets (plus a few), so a
+peer that picks far deadlines for calls that end early never grows it. When the
 timer fires, every bucket that is due is expired, in time order and, within a bucket, in the
 order entries were added; then the timer is armed at the next bucket still holding entries.
 
@@ -37,6 +40,8 @@ import math
 _heappush = heapq.heappush
 _heappop = heapq.heappop
 _ceil = math.ceil
+_heapify = heapq.heapify
+_SLACK = 64  # stale heap entries tolerated beyond twice the live buckets before a rebuild
 
 
 class TimerWheel:
@@ -67,14 +72,25 @@ class TimerWheel:
 
     def remove(self, tick: int, entry) -> None:
         """Forget `entry`, added with key `tick` (nothing if it has expired meanwhile)."""
-        bucket = self.buckets.get(tick)
+        buckets = self.buckets
+        bucket = buckets.get(tick)
         if bucket is not None:
             bucket.pop(entry, None)
             if not bucket:
-                del self.buckets[tick]
+                del buckets[tick]
+                ticks = self.ticks
+                if not buckets:
+                    ticks.clear()
+                elif len(ticks) > 2 * len(buckets) + _SLACK:
+                    ticks[:] = buckets  # in place: _fire may hold this list
+                    _heapify(ticks)
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buckets.values())
+
+    def footprint(self) -> int:
+        """What the wheel holds besides its entries: buckets and heap times (0 when empty)."""
+        return len(self.buckets) + len(self.ticks)
 
     def close(self) -> None:
         """Forget every entry and stop the timer."""

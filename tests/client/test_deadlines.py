@@ -38,7 +38,33 @@ async def test_wheel_fires_in_time_order_never_early_and_forgets_removed_entries
     assert names == sorted(names, key=lambda n: (keys[n], int(n[1:])))
     for name, at in fired:
         assert at >= whens[name] - 1e-6  # never early
-    assert len(wheel) == 0 and wheel.handle is None
+    assert len(wheel) == 0 and wheel.handle is None and wheel.footprint() == 0
+
+
+async def test_entries_removed_before_their_time_leave_no_heap_behind():
+    """Issue 29 R8: far deadlines of calls that end first (the usual case) are forgotten
+    entirely, not only their buckets: the heap of times stays within twice the live buckets."""
+    loop = asyncio.get_running_loop()
+    wheel = TimerWheel(loop, lambda entry: None)
+    now = loop.time()
+    kept = wheel.add(now + 5000, "kept")  # one call that stays in flight throughout
+    for i in range(3000):
+        key = wheel.add(now + 1000 + i / 100, i)  # each in a millisecond of its own
+        wheel.remove(key, i)
+        assert len(wheel.ticks) <= 2 * len(wheel.buckets) + 64
+    assert len(wheel) == 1 and len(wheel.buckets) == 1
+    wheel.remove(kept, "kept")
+    assert len(wheel) == 0 and wheel.footprint() == 0
+    # Still fires what is added afterwards, in order.
+    fired = []
+    wheel.expire = fired.append
+    now = loop.time()
+    for i in (3, 1, 2):
+        wheel.add(now + i / 1000, i)
+    while len(fired) < 3:
+        await asyncio.sleep(0.005)
+    assert fired == [1, 2, 3] and wheel.footprint() == 0
+    wheel.close()
 
 
 async def test_an_earlier_entry_rearms_the_timer_and_close_stops_it():
@@ -101,7 +127,7 @@ async def test_many_calls_with_staggered_deadlines_time_out_on_time(cluster):
     behind = sorted((ends[i] - ref[i]) * 1000 for i in range(len(timeouts)))
     assert behind[len(behind) // 2] < 3, behind
     assert channel.stats.timeouts == 300
-    assert len(channel._deadlines) == 0
+    assert len(channel._deadlines) == 0 and channel._deadlines.footprint() == 0
 
 
 async def test_a_call_that_ends_leaves_no_deadline_or_backup_behind(cluster):
@@ -109,3 +135,15 @@ async def test_a_call_that_ends_leaves_no_deadline_or_backup_behind(cluster):
     channel, stub = cluster.channel([srv], backup_request_ms=500, timeout_ms=1000)
     await asyncio.gather(*(stub.Echo(Req(message=str(i))) for i in range(20)))
     assert len(channel._deadlines) == 0 and len(channel._backups) == 0
+    assert channel._deadlines.footprint() == 0 and channel._backups.footprint() == 0
+
+
+async def test_far_deadlines_of_ended_calls_leave_nothing_in_the_channels_wheel(cluster):
+    """Issue 29 R8, the channel's side: 3,000 calls whose deadlines are far and all different
+    end first; the wheel holds nothing afterwards, heap included."""
+    srv = await cluster.start()
+    channel, stub = cluster.channel([srv])
+    for start in range(0, 3000, 300):
+        await asyncio.gather(*(stub.Echo(Req(message=str(i)), aiobrpc.Controller(timeout_ms=100_000 + i))
+                               for i in range(start, start + 300)))
+    assert len(channel._deadlines) == 0 and channel._deadlines.footprint() == 0
