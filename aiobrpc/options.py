@@ -320,9 +320,14 @@ class ServerOptions:
             EOVERCROWDED (their handlers do not run); while the client does not read, the
             server also stops reading its requests.
         auth: An authenticator: an object with `verify_credential(credential, peer) -> bool`
-            (may be async), asked once per connection with the first request's credential;
-            False answers ERPCAUTH and closes the connection. The handler sees the credential
-            as `cntl.authentication_data`. None: no authentication.
+            (may be async), asked once per connection with the first request's credential
+            (baidu_std's `authentication_data`, gRPC's `authorization` metadata); False answers
+            ERPCAUTH and closes the connection. Over HTTP/1.1 every request must carry its
+            credential in `Authorization` (a connection asks again only for a new one); none or
+            a refused one answers 401 and closes; builtin pages are exempt on the internal port
+            only. The handler sees the credential as `cntl.authentication_data`. An optional
+            `unauthorized_error_text() -> str` is appended to "Fail to authenticate" in what a
+            refused peer gets (brpc's GetUnauthorizedErrorText). None: no authentication.
         idle_timeout_sec: Close a connection that has no request in flight and received
             nothing for this many seconds. -1 (or any value <= 0): never. Whatever it is, a
             connection idle for a second gives its 256 KiB read block back (the next read

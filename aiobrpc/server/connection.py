@@ -12,7 +12,7 @@ from ..protocol.baidu_std import SERVER
 from ..protocol.events import StreamFrameReceived
 from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
-from . import detect
+from . import auth, detect
 from .dispatch import attachment_destination, auth_failure_response
 from .http import HttpSession
 from .tls_layer import TlsLayer
@@ -212,7 +212,7 @@ class ServerConnection(FramedConnection):
             self.queued.clear()
             self.server.stats.count_close("auth_failed")
             _auth_log(logging.WARNING, "authentication failed for %s%s", self.peer, f": {why}" if why else "")
-            self.write(auth_failure_response(ev.meta))
+            self.write(auth_failure_response(ev.meta, auth.unauthorized_error_text(self.server.options.auth)))
             self.close()
             return
         self.credential = bytes(credential)

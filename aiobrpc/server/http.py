@@ -6,6 +6,13 @@ a request head over MAX_HEAD_BYTES (431), a target over MAX_TARGET_BYTES (414), 
 the server's max_body_size (413: at once for a Content-Length, as soon as a chunked body passes
 it), a malformed request, both Content-Length and Transfer-Encoding, or conflicting
 Content-Lengths (400), a head not complete within first_frame_timeout_sec (408: slow headers).
+
+With ServerOptions.auth, every request carries its credential in `Authorization` (as brpc's
+VerifyHttpRequest): one without it is refused from its head (401, before its body is read),
+one whose credential the authenticator refuses gets 401 once read; both then close. A
+connection remembers the last credential let in and does not ask again for the same one.
+Builtin pages are exempt only on the internal port (stricter than brpc, which exempts them
+everywhere and lets a connection that began with a page in unverified).
 Stricter than h11 on those, and on line ends and folding (http_head.py): a head with a bare LF
 line end or an obs-fold line is refused with 400, as brpc's http_parser refuses them.
 """
@@ -18,14 +25,15 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import h11
 
+from ..errors import EPERM, ERPCAUTH
 from ..transport.tcp import RateLimitedLog
-from . import builtin
-from ..errors import EPERM
+from . import auth, builtin
 from .http_head import HeadScanner
 from .http_rpc import HttpReply, call_over_http, error_reply
 
 log = logging.getLogger(__name__)
 _reject_log = RateLimitedLog()
+_auth_log = RateLimitedLog()
 
 MAX_HEAD_BYTES = 80 * 1024  # as brpc (http_parser's HPE_HEADER_OVERFLOW)
 MAX_TARGET_BYTES = 8 * 1024
@@ -149,6 +157,9 @@ class HttpSession:
         if length is not None and int(length) > self.server.options.max_body_size:
             self._reject(413, f"Content-Length {length} is over max_body_size={self.server.options.max_body_size}")
             return False
+        if "authorization" not in headers and self._needs_credential(event.target):
+            self._refuse_auth(event, "no Authorization header")
+            return False
         if headers.get("expect", "").lower() == "100-continue":
             self.conn.write([self.parser.send(h11.InformationalResponse(status_code=100, headers=[]))])
         self.request = event
@@ -157,6 +168,15 @@ class HttpSession:
 
     # -- answering -------------------------------------------------------------------------------
     async def _answer(self, request: h11.Request, body: bytes) -> None:
+        credential = self.request_headers.get("authorization")
+        if credential is not None and self._needs_credential(request.target):
+            credential = credential.encode("latin-1")
+            if credential != self.conn.credential:
+                ok, why = await auth.verify(self.server.options.auth, credential, self.conn.peer)
+                if not ok:
+                    self._refuse_auth(request, why or "the authenticator refused the credential")
+                    return
+                self.conn.credential = credential
         try:
             reply = await self._route(request, self.request_headers, body)
         except Exception as e:  # noqa: BLE001 - a bug of ours: answered 500, the connection goes on
@@ -186,6 +206,26 @@ class HttpSession:
         if first in self.server.registry.services or first in self.server.registry._short:
             return await call_over_http(self.server, self.conn, path, headers, body)
         return HttpReply(404, [("Content-Type", "text/plain")], f"Fail to find service on `{path}'\n".encode())
+
+    # -- authentication --------------------------------------------------------------------------
+    def _needs_credential(self, target: bytes) -> bool:
+        opts = self.server.options
+        if opts.auth is None:
+            return False
+        if self.conn.internal and opts.has_builtin_services:
+            path = unquote(urlsplit(target.decode("latin-1")).path)
+            if (path.strip("/").partition("/")[0] or "index") in builtin.PAGES:
+                return False
+        return True
+
+    def _refuse_auth(self, request: h11.Request, why: str) -> None:
+        """401 with brpc's text, then close."""
+        self._cancel_head_timer()
+        self.server.stats.count_close("auth_failed")
+        _auth_log(logging.WARNING, "authentication failed for %s (HTTP %s): %s", self.conn.peer,
+                  request.target[:64].decode("latin-1"), why)
+        tag = self.server.options.server_tag or self.conn.local
+        self._send(request, error_reply(ERPCAUTH, auth.refusal_text(self.server.options.auth), tag), close=True)
 
     def _send(self, request: h11.Request, reply: HttpReply, close: bool = False) -> None:
         if self.conn.is_closed:

@@ -184,6 +184,8 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
     cntl.service_name, cntl.method_name = entry.service_name, entry.method_name
     cntl.remote_side = conn.peer
     cntl.request_attachment = attachment
+    if conn.credential is not None:
+        cntl.authentication_data = conn.credential
     log_id = headers.get("log-id", "")
     if log_id.isdigit() and int(log_id) < 1 << 64:
         cntl.log_id = int(log_id)

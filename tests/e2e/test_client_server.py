@@ -330,6 +330,23 @@ class Cred:
         return self.value
 
 
+async def test_a_refusal_carries_the_authenticators_unauthorized_text():
+    class Texted(Auth):
+        def unauthorized_error_text(self):
+            return "ask the operator"
+
+    server = aiobrpc.Server(aiobrpc.ServerOptions(auth=Texted()))
+    server.add_service(InteropEcho())
+    await server.start("127.0.0.1:0")
+    channel, stub = stub_for(server, auth=Cred(b"wrong"))
+    with pytest.raises(aiobrpc.RpcError) as ei:
+        await stub.Echo(Req(message="x"))
+    assert ei.value.code == errors.ERPCAUTH and ei.value.text == "Fail to authenticate: ask the operator"
+    await channel.close()
+    await server.stop()
+    await server.join()
+
+
 @pytest.mark.parametrize("cred,ok", [(b"secret", True), (b"wrong", False), (None, False)])
 async def test_auth(cred, ok):
     auth = Auth()
