@@ -365,7 +365,11 @@ class ServerOptions:
             whose first bytes are a TLS handshake is served over TLS, and what it speaks
             inside (baidu_std, HTTP) is detected again; others are served in plaintext
             unless `force_ssl`. None: TLS connections are closed.
-        force_ssl: Close every connection that does not start with a TLS handshake.
+        force_ssl: Close every connection that does not start with a TLS handshake. None
+            (default): True exactly when `ssl` requires client certificates
+            (`verify_client="required"`, or an SSLContext with `verify_mode` CERT_REQUIRED), so
+            that mutual TLS cannot be skipped by not using TLS (stricter than brpc); False
+            serves plaintext beside mutual TLS all the same, as brpc does.
         ssl_handshake_timeout_sec: Close a TLS connection whose handshake has not completed
             within this many seconds (asyncio's default would be 60).
         extra: Free-form settings kept with the options; aiobrpc reads none of them.
@@ -399,7 +403,7 @@ class ServerOptions:
     max_user_fields: int = 1024
     max_user_fields_bytes: int = 1 << 20
     ssl: Any = None  # a tls.ServerTlsOptions or an ssl.SSLContext
-    force_ssl: bool = False
+    force_ssl: bool | None = None  # None: True when ssl requires client certificates
     ssl_handshake_timeout_sec: float = 5.0
     extra: dict = field(default_factory=dict)
     interceptors: Sequence = ()  # async (request, cntl, proceed) -> response, first outermost
@@ -413,6 +417,8 @@ class ServerOptions:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.ssl is not None and not isinstance(self.ssl, (ssl_module.SSLContext, ServerTlsOptions)):
             raise TypeError(f"ssl must be None, a ServerTlsOptions or an ssl.SSLContext, got {type(self.ssl).__name__}")
+        if self.force_ssl is not None and not isinstance(self.force_ssl, bool):
+            raise TypeError(f"force_ssl must be None, True or False, got {self.force_ssl!r}")
         if self.force_ssl and self.ssl is None:
             raise ValueError("force_ssl=True needs ssl: the server's certificate and key")
         if isinstance(self.ssl_handshake_timeout_sec, bool) or not isinstance(self.ssl_handshake_timeout_sec, (int, float)) \

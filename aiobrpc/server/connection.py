@@ -101,9 +101,10 @@ class ServerConnection(FramedConnection):
         if proto == detect.TLS and self.tls is None and self.server.ssl_context is not None:
             self._start_tls(bytes(rbuf.take(rbuf.available())))
             return
-        if self.server.options.force_ssl and self.tls is None:
+        if self.server.force_ssl and self.tls is None:
             _detect_log(logging.WARNING, "closing connection from %s: it does not start with a TLS handshake "
-                        "and the server has force_ssl", self.peer)
+                        "and the server requires TLS (%s)", self.peer,
+                        "force_ssl" if self.server.options.force_ssl else "client certificates are required")
             self.server.stats.count_close("not_tls")
             self.protocol = detect.UNKNOWN
             self.abort()

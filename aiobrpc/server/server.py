@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import inspect
 import logging
+import ssl
 import sys
 import time
 
@@ -112,6 +113,9 @@ class Server:
         if isinstance(options.ssl, ServerTlsOptions):
             # gRPC clients insist on ALPN h2; an SSLContext of the user's is left as it is
             self.ssl_context.set_alpn_protocols(["h2", "http/1.1"])
+        # plaintext is refused where TLS is forced, and by default where client certificates are required
+        self.force_ssl = options.force_ssl if options.force_ssl is not None else (
+            self.ssl_context is not None and self.ssl_context.verify_mode == ssl.CERT_REQUIRED)
         self.registry = Registry()
         self._intercepted = False  # the handlers are behind options.interceptors
         self.stats = ServerStats()

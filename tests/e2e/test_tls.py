@@ -268,6 +268,40 @@ async def test_i10_mutual_tls(pki, caplog):
     await stop(srv)
 
 
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+async def test_mutual_tls_refuses_plaintext_on_every_protocol_by_default(pki, caplog):
+    """Issue 29 R2: a server that requires client certificates cannot be reached by not using
+    TLS: plaintext baidu_std, HTTP and HTTP/2 (gRPC) are closed unread (stricter than brpc)."""
+    tls = ServerTlsOptions(cert_file=pki["server"], ca_file=pki["ca"], verify_client="required")
+    srv, servicer = await start(pki, tls=tls)
+    assert srv.force_ssl
+    caplog.set_level(logging.WARNING)
+    for first in (frame(rpc_meta(service=SVC, correlation_id=1), Req(message="x").SerializeToString()),
+                  b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", H2_PREFACE):
+        got, closed = await raw_exchange(srv.port, first)
+        assert got == b"" and closed, first
+    assert "does not start with a TLS handshake and the server requires TLS (client certificates are " \
+           "required)" in caplog.text
+    assert servicer.calls_served == 0 and srv.stats.closed.get("not_tls") == 3
+    assert (await echo(srv, trusting(pki, cert_file=pki["client"]))).message == "hi"
+    await stop(srv)
+
+
+async def test_plaintext_beside_mutual_tls_only_when_asked(pki):
+    tls = ServerTlsOptions(cert_file=pki["server"], ca_file=pki["ca"], verify_client="required")
+    srv, servicer = await start(pki, tls=tls, force_ssl=False)
+    assert (await echo(srv, None, "plain")).message == "plain"
+    await stop(srv)
+    srv, _ = await start(pki, tls=ServerTlsOptions(cert_file=pki["server"], ca_file=pki["ca"],
+                                                     verify_client="optional"))
+    assert not srv.force_ssl and (await echo(srv, None, "plain")).message == "plain"
+    await stop(srv)
+    with pytest.raises(TypeError, match="force_ssl must be None, True or False"):
+        aiobrpc.ServerOptions(force_ssl="yes")
+
+
 async def test_the_peer_certificate_is_on_the_connection(pki):
     tls = ServerTlsOptions(cert_file=pki["server"], ca_file=pki["ca"], verify_client="required")
     srv, _ = await start(pki, tls=tls)
