@@ -8,7 +8,6 @@ table. Nothing here reads a file or runs anything a URL names: an unknown path i
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import html
 import json
 import os
@@ -17,6 +16,7 @@ import time
 from typing import Callable
 
 from ..metrics import PERCENTILES, prometheus_lines, underscored
+from .glob import GlobError, GlobList
 from .http_rpc import HttpReply, method_listing
 
 PAGES = ("index", "status", "vars", "brpc_metrics", "health", "version", "flags", "protobufs", "connections",
@@ -191,9 +191,19 @@ def _status(req: Request) -> HttpReply:
     return _reply(_page("status", "\n".join(parts)), _HTML)
 
 
+def _globs(req: Request) -> GlobList | HttpReply:
+    """The page's patterns, or 400 naming the bound a peer's pattern is past."""
+    try:
+        return GlobList(req.path)
+    except GlobError as e:
+        return _reply(f"{e}\n", status=400)
+
+
 def _vars(req: Request) -> HttpReply:
-    patterns = [p for p in req.path.split(";") if p] or ["*"]
-    found = [(n, v) for n, v in variables(req.server) if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    globs = _globs(req)
+    if isinstance(globs, HttpReply):
+        return globs
+    found = [(n, v) for n, v in variables(req.server) if globs.matches(n)]
     if req.wants_json:
         return _json(dict(found))
     return _text_or_html(req, "vars", "".join(f"{n} : {v}\n" for n, v in found))
@@ -229,7 +239,10 @@ def _flags(req: Request) -> HttpReply:
             v = type(v).__name__
         rows.append((f.name, v))
     if req.path:
-        rows = [(n, v) for n, v in rows if fnmatch.fnmatchcase(n, req.path)]
+        globs = _globs(req)
+        if isinstance(globs, HttpReply):
+            return globs
+        rows = [(n, v) for n, v in rows if globs.matches(n)]
     if req.wants_json:
         return _json({n: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for n, v in rows})
     return _text_or_html(req, "flags", "".join(f"{n} : {v!r}\n" for n, v in rows))
