@@ -37,6 +37,9 @@ _auth_log = RateLimitedLog()
 
 MAX_HEAD_BYTES = 80 * 1024  # as brpc (http_parser's HPE_HEADER_OVERFLOW)
 MAX_TARGET_BYTES = 8 * 1024
+# RFC 9110 §5.5: a field value is visible characters, spaces, tabs and obs-text; CR, LF and NUL
+# (refused by h11 already) and the other controls would reach a handler's user fields
+_CONTROL = bytes(range(0, 9)) + bytes(range(10, 32)) + b"\x7f"
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
             408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long",
             431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
@@ -141,6 +144,9 @@ class HttpSession:
             self._reject(431, f"the request head is over {MAX_HEAD_BYTES} bytes")
             return False
         for name, value in event.headers:
+            if len(value.translate(None, _CONTROL)) != len(value):
+                self._reject(400, f"the value of header {name[:64]!r} holds a control character")
+                return False
             name = name.lower()
             if name == b"content-length":
                 lengths += 1

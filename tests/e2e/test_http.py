@@ -252,6 +252,10 @@ async def test_the_same_calls_are_counted_for_both_protocols(server):
     (b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n\tmore\r\n\r\n", 400),  # H5 obs-fold by a tab
     (b"GET /x HTTP/1.1\nHost: x\n\n", 400),  # H5 bare LF line ends
     (b"GET /x HTTP/1.1\r\nHost: x\r\n\n", 400),  # H5 a bare LF ends the head
+    (b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400),  # H5 / issue 29 R4: NUL in a value
+    (b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\rb\r\n\r\n", 400),  # a bare CR in a value
+    (b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\n\r\n", 400),  # other controls in a value
+    (b"GET /x HTTP/1.1\r\nHost: x\r\nX-A: a\x7fb\r\n\r\n", 400),
     (b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\n", 400),  # H6 a sign
     (b"GET /x HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 100_000 + b"\r\n\r\n", 431),  # H7
     (b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (MIB + 1), 413),  # H8
@@ -262,6 +266,22 @@ async def test_malformed_or_oversized_requests_are_answered_then_closed(server, 
     assert got.startswith(b"HTTP/1.1 %d " % status) and b"Connection: close" in got
     assert closed
     assert server.stats.closed["bad_http"] == 1
+
+
+async def test_a_header_value_with_a_control_character_never_reaches_the_handler(server):
+    """Issue 29 R4: refused before any handler runs; tabs and obs-text stay allowed."""
+    servicer = server.registry.services[SVC]["Echo"]
+    before = servicer.status.describe()["count"]
+    body = json.dumps({"message": "hi"}).encode()
+    for value in (b"a\x00b", b"a\rb", b"a\x01b"):
+        got, closed = await raw_exchange(server.port, b"POST /%s/Echo HTTP/1.1\r\nHost: x\r\nX-Field: " % SVC.encode()
+                                         + value + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                         % len(body) + body, read_timeout=2)
+        assert got.startswith(b"HTTP/1.1 400 ") and closed
+    assert servicer.status.describe()["count"] == before
+    status, _, _ = await fetch(server, "POST", f"/{SVC}/Echo", body,
+                               {"Content-Type": "application/json", "X-Field": "a\tb \x80"})
+    assert status == 200
 
 
 async def test_a_chunked_body_over_the_limit_is_refused_before_it_is_all_read(server):
