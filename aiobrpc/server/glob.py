@@ -1,7 +1,7 @@
 """The wildcards of /vars/<glob> and /flags/<glob>, as brpc's: `*` (any run of characters) and
 `?` (one character), several patterns joined by `;`.
 
-A peer chooses the pattern, so it is bounded (MAX_GLOB_CHARS, MAX_WILDCARDS) and matched in
+A peer chooses the pattern, so it is bounded (MAX_GLOB_CHARS, MAX_WILDCARDS, MAX_PATTERNS) and matched in
 time linear in the name for each of its pieces: the text between two `*` is found leftmost in
 order (which decides a glob), never by backtracking, and nothing is compiled or cached, so a
 stream of distinct patterns costs nothing that outlives its request.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 MAX_GLOB_CHARS = 512
 MAX_WILDCARDS = 32
+MAX_PATTERNS = 16
 
 
 class GlobError(ValueError):
@@ -33,7 +34,10 @@ class GlobList:
         wildcards = text.count("*") + text.count("?")
         if wildcards > MAX_WILDCARDS:
             raise GlobError(f"the pattern has {wildcards} wildcards, over {MAX_WILDCARDS}")
-        self.patterns = [p.split("*") for p in text.split(";") if p] or [["", ""]]
+        patterns = [p.split("*") for p in text.split(";") if p]
+        if len(patterns) > MAX_PATTERNS:
+            raise GlobError(f"{len(patterns)} patterns, over {MAX_PATTERNS}")
+        self.patterns = patterns or [["", ""]]
 
     def matches(self, name: str) -> bool:
         return any(_match(pieces, name) for pieces in self.patterns)

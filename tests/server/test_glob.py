@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiobrpc.server.glob import MAX_GLOB_CHARS, MAX_WILDCARDS, GlobError, GlobList
+from aiobrpc.server.glob import MAX_GLOB_CHARS, MAX_PATTERNS, MAX_WILDCARDS, GlobError, GlobList
 from tests.e2e.test_http import fetch
 
 
@@ -33,6 +33,9 @@ def test_the_bounds_are_named():
         GlobList("a" * (MAX_GLOB_CHARS + 1))
     with pytest.raises(GlobError, match=f"{MAX_WILDCARDS + 1} wildcards, over {MAX_WILDCARDS}"):
         GlobList("a?" * (MAX_WILDCARDS + 1))
+    GlobList(";".join(["a"] * MAX_PATTERNS))
+    with pytest.raises(GlobError, match=f"{MAX_PATTERNS + 1} patterns, over {MAX_PATTERNS}"):
+        GlobList(";".join(["a"] * (MAX_PATTERNS + 1)))
 
 
 def test_the_worst_pattern_within_the_bounds_does_little_work():
