@@ -1,0 +1,1 @@
+"""Coverage-guided fuzz harnesses of aiobrpc (atheris); see fuzz/README.md."""

@@ -1,0 +1,33 @@
+"""Every file of the seed corpus (fuzz/corpus/<harness>/*) replays through its harness without a
+finding: no crash, hang, leak or undocumented exception (fuzz/README.md). Runs on every Python,
+without atheris, on the twin of this process (the pure child of tests/conftest.py replays it on
+the pure twin). The harnesses run in a subprocess: they take over aiobrpc's loggers and set an
+event loop of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HARNESSES = ("baidu_server", "http_server", "h2_server", "stream", "baidu_client", "grpc_client",
+             "compress", "json_transcode", "naming", "codec")
+
+
+def test_every_harness_has_a_corpus():
+    for h in HARNESSES:
+        d = os.path.join(ROOT, "fuzz", "corpus", h)
+        assert os.path.isdir(d) and os.listdir(d), f"fuzz/corpus/{h} is empty"
+
+
+@pytest.mark.timeout(240)
+def test_corpus_replays_without_findings():
+    proc = subprocess.run([sys.executable, "-m", "fuzz.replay"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=220, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"findings in the corpus:\n{proc.stdout}\n{proc.stderr[-20000:]}"
+    for h in HARNESSES:
+        assert h in proc.stdout
