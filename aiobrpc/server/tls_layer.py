@@ -118,8 +118,10 @@ class TlsLayer(asyncio.Protocol):
             while not (self.reading_paused or self.lost or self.closing):
                 buf = app.get_buffer(-1)
                 n = sslobj.read(len(buf), buf)
-                if not n:
-                    break
+                if not n:  # the peer's close_notify: ssl answers 0 rather than raising SSLZeroReturnError
+                    self._flush()
+                    self._at_eof()
+                    return
                 app.buffer_updated(n)
         except ssl.SSLWantReadError:
             pass

@@ -302,6 +302,33 @@ async def test_plaintext_beside_mutual_tls_only_when_asked(pki):
         aiobrpc.ServerOptions(force_ssl="yes")
 
 
+async def test_a_clients_close_notify_closes_the_connection(pki):
+    """A TLS client that ends cleanly (close_notify, then waits for the server's) is closed
+    by the server, not left open until an idle timeout."""
+    srv, _ = await start(pki)
+    assert (await echo(srv, trusting(pki))).message == "hi"  # a TLS connection the server served
+
+    def unwrap() -> None:
+        raw = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        tls = ssl.create_default_context(cafile=pki["ca"]).wrap_socket(raw, server_hostname="localhost")
+        tls.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = b""
+        while not got.endswith(b"\r\n\r\nOK"):
+            chunk = tls.recv(4096)
+            assert chunk, got
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200")
+        tls.unwrap().close()  # sends close_notify and waits for the server's
+
+    await asyncio.to_thread(unwrap)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 5
+    while srv.connections and loop.time() < end:
+        await asyncio.sleep(0.01)
+    assert not srv.connections
+    await stop(srv)
+
+
 async def test_the_peer_certificate_is_on_the_connection(pki):
     tls = ServerTlsOptions(cert_file=pki["server"], ca_file=pki["ca"], verify_client="required")
     srv, _ = await start(pki, tls=tls)
