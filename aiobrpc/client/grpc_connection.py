@@ -62,25 +62,17 @@ _h2 = None  # the h2 names this module uses, once imported (_import_h2)
 def _import_h2():
     global _h2
     if _h2 is None:
-        from h2 import config, connection, errors, events, exceptions, settings
+        from h2 import config, errors, events, exceptions, settings
 
         from .. import __version__
-        from ..protocol import h2_frames, hpack_memo  # noqa: F401  (h2_frames: h2's DATA frame repr made cheap)
-
-        class GracefulH2Connection(connection.H2Connection):
-            # h2 takes any GOAWAY as the end and refuses every later frame, but a graceful one
-            # (NO_ERROR: a gRPC server shutting down, a max connection age) still answers the
-            # streams it took: keep reading them. GrpcConnection opens no stream after it.
-            def _receive_goaway_frame(self, frame):
-                state = self.state_machine.state
-                frames, events = super()._receive_goaway_frame(frame)
-                if not frame.error_code:
-                    self.state_machine.state = state
-                return frames, events
+        from ..protocol import h2_policy, hpack_memo
 
         class Names:
             user_agent = f"aiobrpc/{__version__}"
-            H2Connection = GracefulH2Connection
+            # h2 with the policy the server keeps too (protocol/h2_policy.py): a graceful GOAWAY
+            # (a server shutting down, a max connection age) lets the streams it took be read to
+            # their end (GrpcConnection opens no stream after it); frame and header block bounds.
+            H2Connection = h2_policy.H2Connection
             install_hpack_memo = staticmethod(hpack_memo.install)
             H2Configuration = config.H2Configuration
             Settings = settings.Settings
@@ -667,7 +659,10 @@ def read_headers(reply, headers) -> RpcError | None:
     err = None
     for name, value in headers:
         if name == b":status":
-            reply.http_status = int(value)
+            if len(value) == 3 and value.isdigit():
+                reply.http_status = int(value)
+            else:  # the call fails as a non-gRPC reply (HTTP/2 0), its connection untouched
+                err = RpcError(ERESPONSE, f":status {value[:32]!r} is not a 3-digit number")
         elif name == b"content-type":
             reply.grpc_reply = value.startswith(b"application/grpc")
         elif name == b"grpc-encoding":

@@ -356,3 +356,25 @@ async def test_window_waits_and_the_servers_stream_limit_against_aiobrpc():
     finally:
         await server.stop()
         await server.join()
+
+
+@pytest.mark.parametrize("status", [b"abc", b"", b"20", b"2000", b"+20"])
+def test_a_reply_whose_status_is_no_3_digit_number_fails_its_call_only(status):
+    """fuzz/grpc_client finding: int(b"abc") raised out of the frame handling and aborted the
+    connection (every call on it EFAILEDSOCKET); now the one reply fails with ERESPONSE."""
+    from aiobrpc.client.grpc_connection import read_headers
+
+    class Reply:
+        http_status = 0
+        grpc_reply = False
+        encoding = None
+        status = None
+        message = ""
+
+        def __init__(self):
+            self.fields = []
+
+    reply = Reply()
+    err = read_headers(reply, [(b":status", status), (b"content-type", b"application/grpc")])
+    assert reply.http_status == 0
+    assert err is not None and err.code == errors.ERESPONSE and "is not a 3-digit number" in err.text

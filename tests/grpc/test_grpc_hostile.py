@@ -12,10 +12,13 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
+import hpack
 import pytest
 import pytest_asyncio
 from h2.errors import ErrorCodes
-from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, SettingsFrame, WindowUpdateFrame
+from hyperframe.frame import (ContinuationFrame, DataFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame,
+                              SettingsFrame, WindowUpdateFrame)
 
 from aiobrpc import Server, ServerOptions
 from aiobrpc._proto import grpc_test_pb2
@@ -25,27 +28,55 @@ from tests.grpc.test_grpc_server import GrpcTest
 
 Msg = grpc_test_pb2.GrpcMessage
 PATH = b"/aiobrpc.test.GrpcTestService/Unary"
+GRPC_HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH), (b":authority", b"x"),
+                (b"content-type", b"application/grpc"), (b"te", b"trailers")]
 
 
 @pytest.fixture(autouse=True)
 def logs_not_rate_limited():
     h2_session._close_log._next = 0.0
+    h2_session._stream_log._next = 0.0
 
 
 class Peer:
     """An HTTP/2 client connection driven by hand."""
 
-    def __init__(self, reader, writer) -> None:
+    def __init__(self, reader, writer, config: h2.config.H2Configuration | None = None) -> None:
         self.reader, self.writer = reader, writer
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        self.h2 = h2.connection.H2Connection(config or h2.config.H2Configuration(client_side=True,
+                                                                                 header_encoding=None))
         self.events: list = []
 
     @classmethod
-    async def connect(cls, server: Server) -> Peer:
-        peer = cls(*await asyncio.open_connection(server.host, server.port))
+    async def connect(cls, server: Server, settings: dict | None = None,
+                      config: h2.config.H2Configuration | None = None) -> Peer:
+        """A connection to `server`, its preface sent with `settings` (h2's SettingCodes)."""
+        peer = cls(*await asyncio.open_connection(server.host, server.port), config)
+        if settings:
+            peer.h2.local_settings = h2.settings.Settings(client=True, initial_values=settings)
         peer.h2.initiate_connection()
         peer.send()
         return peer
+
+    async def closed_by_server(self, timeout: float = 5.0) -> bool:
+        """Whether the server closes the connection within `timeout` (what it sends meanwhile is
+        read as events)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            try:
+                data = await asyncio.wait_for(self.reader.read(65536), max(0.01, end - loop.time()))
+            except asyncio.TimeoutError:
+                return False
+            except ConnectionError:
+                return True
+            if not data:
+                return True
+            try:
+                self.events += self.h2.receive_data(data)
+            except h2.exceptions.ProtocolError:
+                pass
+        return False
 
     def send(self, raw: bytes = b"") -> None:
         self.writer.write(self.h2.data_to_send() + raw)
@@ -83,6 +114,111 @@ class Peer:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class RawPeer:
+    """An HTTP/2 client that builds its frames itself (hyperframe, hpack): it sends what h2
+    would refuse to, and reads every frame the server sends (DATA is acknowledged at once)."""
+
+    def __init__(self, reader, writer) -> None:
+        self.reader, self.writer = reader, writer
+        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
+        self.frames: list = []  # every frame received, HEADERS with `.headers` decoded
+        self.eof = False
+        self.next_sid = 1
+        self._in = bytearray()
+        self._out: list = []
+
+    @classmethod
+    async def connect(cls, server: Server, settings: dict | None = None) -> RawPeer:
+        peer = cls(*await asyncio.open_connection(server.host, server.port))
+        peer.writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0, settings=settings or {}).serialize())
+        # the server's SETTINGS acknowledged now: no ACK comes later inside what a test sends
+        assert await peer.read_until(lambda p: any(isinstance(f, SettingsFrame) for f in p.frames))
+        return peer
+
+    def queue(self, *frames) -> None:
+        self._out += [f if isinstance(f, (bytes, bytearray)) else f.serialize() for f in frames]
+
+    def flush(self) -> None:
+        if self._out and not self.writer.transport.is_closing():
+            self.writer.write(b"".join(self._out))
+        self._out = []
+
+    def send(self, *frames) -> None:
+        self.queue(*frames)
+        self.flush()
+
+    def request(self, message: bytes = Msg(text="hi").SerializeToString(), headers: list | None = None,
+                end: bool = True, send: bool = True) -> int:
+        """A gRPC call on a new stream (HEADERS, then DATA with the message unless None)."""
+        sid, self.next_sid = self.next_sid, self.next_sid + 2
+        block = self.encoder.encode(headers or GRPC_HEADERS)
+        flags = ["END_HEADERS"] + (["END_STREAM"] if end and message is None else [])
+        self.queue(HeadersFrame(sid, data=block, flags=flags))
+        if message is not None:
+            self.queue(DataFrame(sid, data=b"\x00" + len(message).to_bytes(4, "big") + message,
+                                 flags=["END_STREAM"] if end else []))
+        if send:
+            self.flush()
+        return sid
+
+    async def read_until(self, predicate, timeout: float = 5.0) -> bool:
+        """Read frames until `predicate(self)` or the end of the connection; whether it held."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while not predicate(self):
+            if self.eof:
+                return False
+            try:
+                data = await asyncio.wait_for(self.reader.read(65536), max(0.01, end - loop.time()))
+            except asyncio.TimeoutError:
+                return predicate(self)
+            except ConnectionError:
+                data = b""
+            if not data:
+                self.eof = True
+                continue
+            self._in += data
+            self._parse()
+            self.flush()
+        return True
+
+    def _parse(self) -> None:
+        while len(self._in) >= 9:
+            frame, length = Frame.parse_frame_header(memoryview(self._in[:9]))
+            if len(self._in) < 9 + length:
+                return
+            frame.parse_body(memoryview(self._in[9:9 + length]))
+            del self._in[:9 + length]
+            if isinstance(frame, HeadersFrame):
+                frame.headers = dict(self.decoder.decode(frame.data, raw=True))
+            elif isinstance(frame, DataFrame) and frame.flow_controlled_length:
+                self.queue(WindowUpdateFrame(0, window_increment=frame.flow_controlled_length),
+                           WindowUpdateFrame(frame.stream_id, window_increment=frame.flow_controlled_length))
+            elif isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
+                self.queue(SettingsFrame(0, flags=["ACK"]))
+            self.frames.append(frame)
+
+    def goaway(self):
+        return next((f for f in self.frames if isinstance(f, GoAwayFrame)), None)
+
+    def reset(self, sid: int):
+        """The error code of the RST_STREAM the server sent on `sid`, or None."""
+        return next((f.error_code for f in self.frames if isinstance(f, RstStreamFrame) and f.stream_id == sid), None)
+
+    def trailers(self, sid: int) -> dict:
+        for f in self.frames:
+            if isinstance(f, HeadersFrame) and f.stream_id == sid and b"grpc-status" in f.headers:
+                return f.headers
+        return {}
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def p_status(peer: RawPeer, sid: int) -> bytes | None:
+    return peer.trailers(sid).get(b"grpc-status")
 
 
 def _header_block(peer: Peer, headers) -> bytes:
@@ -191,15 +327,36 @@ async def test_an_hpack_bomb_closes_the_connection(server, caplog):
     assert "header list larger than" in caplog.text
 
 
-async def test_more_streams_than_max_concurrent_streams_is_a_protocol_error(server, caplog):
-    def crowd(peer):
-        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH), (b":authority", b"x"),
-                   (b"content-type", b"application/grpc")]
-        # HEADERS only, by hand (h2 would keep to the server's SETTINGS): each stream stays open
-        peer.send(b"".join(HeadersFrame(1 + 2 * i, data=_header_block(peer, headers), flags=["END_HEADERS"])
-                           .serialize() for i in range(h2_session.MAX_CONCURRENT_STREAMS + 1)))
-    assert await goaway_after(server, caplog, crowd) == ErrorCodes.PROTOCOL_ERROR
-    assert "TooManyStreamsError" in caplog.text
+async def test_streams_past_max_concurrent_streams_are_refused_alone(server, caplog):
+    """RFC 9113 §5.1.2: the streams past the limit are reset REFUSED_STREAM (the client may
+    retry them); the calls within it are answered and the connection carries on."""
+    limit = h2_session.MAX_CONCURRENT_STREAMS
+    peer = await RawPeer.connect(server)
+    slow = Msg(sleep_ms=300).SerializeToString()
+    sids = [peer.request(slow, send=False) for _ in range(limit + 20)]
+    peer.flush()
+    assert await peer.read_until(lambda p: all(p.trailers(s) or p.reset(s) is not None for s in sids))
+    answered = [s for s in sids if p_status(peer, s) == b"0"]
+    refused = [s for s in sids if peer.reset(s) == ErrorCodes.REFUSED_STREAM]
+    assert len(answered) == limit and len(refused) == 20 and peer.goaway() is None
+    sid = peer.request()  # the same connection serves the next call
+    assert await peer.read_until(lambda p: p.trailers(sid)) and p_status(peer, sid) == b"0"
+    peer.close()
+
+
+async def test_a_peer_that_keeps_opening_past_the_limit_is_told_to_calm_down(server, caplog):
+    limit = h2_session.MAX_CONCURRENT_STREAMS
+    peer = await RawPeer.connect(server)
+    slow = Msg(sleep_ms=2000).SerializeToString()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(limit + MAX_RESETS_PER_SECOND + 10):
+            peer.request(slow, send=False)
+        peer.flush()
+        assert await peer.read_until(lambda p: p.goaway() is not None)
+    assert peer.goaway().error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    assert "refused to it within a second" in caplog.text
+    peer.close()
+    await still_serves(server)
 
 
 async def test_data_past_max_body_size_ends_the_call_not_the_connection():

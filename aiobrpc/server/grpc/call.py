@@ -22,7 +22,7 @@ import time
 from collections import deque
 
 from h2.errors import ErrorCodes
-from h2.exceptions import StreamClosedError
+from h2.exceptions import ProtocolError as H2Refused  # StreamClosedError too: h2 will not send that
 
 from ...controller import Controller
 from ...errors import ECANCELED, EINTERNAL, EREQUEST, ERESPONSE, ERPCAUTH, ERPCTIMEDOUT, RpcError
@@ -46,16 +46,18 @@ _STATUS_200 = (b":status", b"200")
 _GRPC_CONTENT_TYPE = (b"content-type", b"application/grpc")
 _GRPC_OK = (b"grpc-status", b"0")
 _SMALL_MESSAGE = 64 * 1024  # smaller payloads are joined with their prefix: one DATA frame
+_LARGEST_DATA_FRAME = 1024 * 1024  # what one call adds at once to the bytes unwritten, whatever the peer allows
 
 
 class RequestStream:
     """The request messages of a client-streaming or bidirectional call, in order.
 
     `async for request in requests: ...`, or `await requests.read()`, which is None after the
-    last. Once MAX_QUEUED_MESSAGES wait unread the peer's flow-control window is not given
+    last. Once MAX_QUEUED_MESSAGES wait unread the stream's flow-control window is not given
     back, so a fast sender waits for the handler: what waits is those messages and at most the
-    stream's window (session.STREAM_WINDOW, 4 MiB). A message that cannot be
-    read raises RpcError(EREQUEST).
+    stream's window (session.STREAM_WINDOW, 4 MiB); and the connection's window gets a
+    message's bytes back only once the handler took it. A message that cannot be read raises
+    RpcError(EREQUEST).
     """
 
     __slots__ = ("_call",)
@@ -85,13 +87,13 @@ class RequestStream:
             finally:
                 call.reader = None
         compressed, payload = call.messages.popleft()
-        call.message_taken()
+        call.message_taken(len(payload) + codec.PREFIX_SIZE)
         return call.parse(compressed, payload)
 
 
 class GrpcCall:
     __slots__ = ("session", "stream_id", "loop", "entry", "cntl", "decoder", "encoding", "accept", "messages",
-                 "unacked", "reader", "window_waiter", "task", "timer", "request_done", "finished",
+                 "held", "unacked", "reader", "window_waiter", "task", "timer", "request_done", "finished",
                  "headers_sent", "encoding_out", "sent_fields", "status", "running")
 
     def __init__(self, session, stream_id: int) -> None:
@@ -104,7 +106,8 @@ class GrpcCall:
         self.encoding = codec.IDENTITY
         self.accept: tuple = ()
         self.messages: deque = deque()
-        self.unacked = 0  # flow-controlled bytes held back while the handler has not taken its messages
+        self.held = 0  # request bytes received and not released to the connection's window (session.release)
+        self.unacked = 0  # bytes whose stream window is held back while the handler has not taken its messages
         self.reader: asyncio.Future | None = None  # RequestStream.read waiting for a message
         self.window_waiter: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
@@ -198,29 +201,39 @@ class GrpcCall:
             self.request_ended()
 
     def data_received(self, data, flow_controlled: int) -> None:
+        """DATA of this stream. Its bytes are held (self.held) until the message they belong
+        to is parsed, or taken by a streaming handler, or the call ends: only then does the
+        connection's window get them back (session.release), so what a peer makes a connection
+        hold is bounded by that window. The stream's window is given back as they arrive, so a
+        message larger than it can be assembled; for a streaming call only while fewer than
+        MAX_QUEUED_MESSAGES wait for the handler."""
         session = self.session
         if self.finished or self.decoder is None:
-            session.acknowledge(self.stream_id, flow_controlled)
+            session.release(flow_controlled)
             return
+        size = len(data)
+        if flow_controlled != size:
+            session.release(flow_controlled - size)  # padding: nothing of it is held
+        self.held += size
         try:
             self.decoder.feed(data)
         except codec.GrpcProtocolError as e:
-            session.acknowledge(self.stream_id, flow_controlled)
             self._fail(e.grpc_status, str(e).replace("max_message_size", "max_body_size"))  # the server's name
             return
         messages = self.messages
         messages.extend(self.decoder)
         if not self.entry.client_streaming:
-            session.acknowledge(self.stream_id, flow_controlled)
-            if len(messages) > 1:
+            if not messages:
+                session.acknowledge_stream(self.stream_id, size)
+            elif len(messages) > 1:
                 self._fail(codec.INTERNAL, f"{self.entry.method_name} takes one request message; the client "
                                            "sent more")
             return
         if len(messages) < MAX_QUEUED_MESSAGES:
-            session.acknowledge(self.stream_id, flow_controlled + self.unacked)
+            session.acknowledge_stream(self.stream_id, size + self.unacked)
             self.unacked = 0
         else:
-            self.unacked += flow_controlled
+            self.unacked += size
         if messages:
             self._wake_reader()
 
@@ -243,6 +256,8 @@ class GrpcCall:
             self._fail(codec.INTERNAL, f"{self.entry.method_name} takes one request message; the client sent none")
             return
         compressed, payload = self.messages.popleft()
+        held, self.held = self.held, 0
+        self.session.release(held)  # parsed below: the connection holds it no more
         try:
             request = self.parse(compressed, payload)
         except RpcError as e:
@@ -266,10 +281,20 @@ class GrpcCall:
             raise RpcError(EREQUEST, f"Fail to parse request={entry.request_class.DESCRIPTOR.full_name}: {e}") \
                 from None
 
-    def message_taken(self) -> None:
-        if self.unacked and len(self.messages) < MAX_QUEUED_MESSAGES and not self.finished:
-            self.session.acknowledge(self.stream_id, self.unacked)
+    def message_taken(self, size: int) -> None:
+        """The handler took a message of `size` bytes (prefix included) from the queue."""
+        if self.finished:
+            return  # released when it finished
+        self.held -= size
+        self.session.release(size)
+        if self.unacked and len(self.messages) < MAX_QUEUED_MESSAGES:
+            self.session.acknowledge_stream(self.stream_id, self.unacked)
             self.unacked = 0
+
+    def _release_held(self) -> None:
+        if self.held:
+            self.session.release(self.held)
+            self.held = 0
 
     def _wake_reader(self) -> None:
         reader = self.reader
@@ -284,18 +309,26 @@ class GrpcCall:
     def connection_lost(self) -> None:
         self._stop(ECANCELED, "the connection was lost")
 
+    def peer_closed(self) -> None:
+        """The client closed its side of the connection (EOF) while this call could not end:
+        its request unfinished, or its reply waiting for a window no one will open."""
+        self._stop(ECANCELED, "the client closed the connection before the call could end")
+        self.session.call_ended(self)
+
     def _stop(self, code: int, text: str) -> None:
         if self.finished:
             return
         self.finished = True
         self._cancel_timer()
+        self._release_held()
         if self.cntl is not None and not self.cntl.error_code:
             self.cntl.error_code, self.cntl.error_text = code, text
         self._wake_reader()
         if self.task is not None:
             # A task cancelled before its first step never runs its coroutine (Python < 3.12
             # starts tasks late): one not begun is left to run, sees `finished` and only counts.
-            if self.running:
+            # One stopping itself (_send_data) raises on its own.
+            if self.running and self.task is not _current_task(self.loop):
                 self.task.cancel()
         elif self.window_waiter is not None and not self.window_waiter.done():
             self.window_waiter.cancel()
@@ -430,6 +463,8 @@ class GrpcCall:
             if not session.reading:
                 session.schedule_flush()
             conn.request_done()
+            if session.draining:
+                session.close_if_drained()
 
     # -- the reply -------------------------------------------------------------------------------
     async def _send_response(self, response) -> None:
@@ -454,25 +489,51 @@ class GrpcCall:
             log.error("%s: %s", entry.full_name, why)
             set_failed(cntl, entry, ERESPONSE, why)
             return
-        h2c = self.session.h2
+        session = self.session
+        h2c = session.h2
+        if not session.conn.writable(h2c.unsent_bytes):
+            await self._drain()
         sid = self.stream_id
-        if not self.headers_sent:
-            h2c.send_headers(sid, headers)
-            self.headers_sent = True
         n = len(payload)
         prefix = (b"\x01" if encoding is not None else b"\x00") + n.to_bytes(4, "big")
-        if n < _SMALL_MESSAGE:
-            data = prefix + payload
-            if len(data) <= h2c.local_flow_control_window(sid) and len(data) <= h2c.max_outbound_frame_size:
+        data = prefix + payload if n < _SMALL_MESSAGE else None
+        try:
+            if not self.headers_sent:
+                h2c.send_headers(sid, headers)
+                self.headers_sent = True
+            if data is not None and len(data) <= h2c.local_flow_control_window(sid) \
+                    and len(data) <= h2c.max_outbound_frame_size:
                 h2c.send_data(sid, data)  # the usual case: one DATA frame, now
-                if entry.server_streaming and not self.session.reading:
-                    self.session.schedule_flush()  # a unary reply goes with its trailers
+                if entry.server_streaming and not session.reading:
+                    session.schedule_flush()  # a unary reply goes with its trailers
                 return
+        except H2Refused:
+            self._cannot_send()
+        if data is not None:
             await self._send_data(memoryview(data))
         else:
             await self._send_data(memoryview(prefix))
             await self._send_data(memoryview(payload))
-        self.session.schedule_flush()
+        session.schedule_flush()
+
+    def _cannot_send(self) -> None:
+        """h2 refuses to send on this stream (it was closed, or the connection is closing, by
+        frames of the same read handled after this call's): the call ends as if reset."""
+        self._stop(ECANCELED, "the stream or the connection was closed before the reply could be sent")
+        self.session.call_ended(self)
+        raise _CancelledError()
+
+    async def _drain(self) -> None:
+        """What h2 and the transport hold unwritten is past max_unwritten_bytes (a peer that
+        does not read): write h2's part, and wait for the transport to drain, once per message
+        or DATA frame: what is unwritten stays within the bound and one of them."""
+        session = self.session
+        session.flush()
+        conn = session.conn
+        if not conn.writable():
+            await conn.wait_flushed()
+        if self.finished:
+            raise _CancelledError()
 
     def _initial_headers(self) -> list:
         cntl = self.cntl
@@ -497,8 +558,11 @@ class GrpcCall:
         while view:
             if self.finished:
                 raise _CancelledError()
-            window = min(h2c.local_flow_control_window(sid), h2c.max_outbound_frame_size)
+            window = min(h2c.local_flow_control_window(sid), h2c.max_outbound_frame_size, _LARGEST_DATA_FRAME)
             if window <= 0:
+                if session.peer_eof:  # no WINDOW_UPDATE can come any more
+                    self.peer_closed()
+                    raise _CancelledError()
                 session.flush()
                 self.window_waiter = self.loop.create_future()
                 session.waiting_for_window.add(self)
@@ -508,11 +572,13 @@ class GrpcCall:
                     self.window_waiter = None
                     session.waiting_for_window.discard(self)
                 continue
-            h2c.send_data(sid, view[:window])  # h2 takes a memoryview: the frame is the one copy
+            if not conn.writable(h2c.unsent_bytes):
+                await self._drain()
+            try:
+                h2c.send_data(sid, view[:window])  # h2 takes a memoryview: the frame is the one copy
+            except H2Refused:
+                self._cannot_send()
             view = view[window:]
-            if not conn.writable():
-                session.flush()
-                await conn.wait_flushed()
 
     def _finish(self) -> None:
         """The trailers: grpc-status from cntl, and the user fields not sent yet."""
@@ -571,13 +637,16 @@ class GrpcCall:
     def _end(self, trailers: list) -> None:
         self.finished = True
         self._cancel_timer()
+        if self.held:
+            self._release_held()
         session = self.session
-        try:
-            session.h2.send_headers(self.stream_id, trailers, end_stream=True)
-            if not self.request_done:  # the client is still sending: tell it to stop
-                session.h2.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
-        except StreamClosedError:
-            pass
+        if not session.finished:
+            try:
+                session.h2.send_headers(self.stream_id, trailers, end_stream=True)
+                if not self.request_done:  # the client is still sending: tell it to stop
+                    session.h2.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
+            except H2Refused:
+                pass
         session.call_ended(self)
         self._wake_reader()
         if not session.reading:
@@ -585,20 +654,22 @@ class GrpcCall:
 
     def _reset(self, error_code) -> None:
         self.finished = True
+        self._release_held()
         try:
             self.session.h2.reset_stream(self.stream_id, error_code)
-        except StreamClosedError:
+        except H2Refused:
             pass
         self.session.call_ended(self)
         self.session.schedule_flush()
 
     def _refuse_http(self, status: int, text: str) -> None:
         self.finished = True
+        self._release_held()
         respond_plain(self.session, self.stream_id, status, text)
         if not self.request_done:
             try:
                 self.session.h2.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
-            except StreamClosedError:
+            except H2Refused:
                 pass
         self.session.call_ended(self)
 
@@ -606,12 +677,16 @@ class GrpcCall:
 def respond_plain(session, stream_id: int, status: int, text: str) -> None:
     """An HTTP/2 answer with a text body, for a request that is no gRPC call."""
     body = f"{text}\n".encode()
-    session.h2.send_headers(stream_id, [(b":status", str(status).encode()), (b"content-type", b"text/plain"),
-                                        (b"content-length", str(len(body)).encode())])
-    if len(body) <= min(session.h2.local_flow_control_window(stream_id), session.h2.max_outbound_frame_size):
-        session.h2.send_data(stream_id, body, end_stream=True)
-    else:
-        session.h2.send_data(stream_id, b"", end_stream=True)
+    h2c = session.h2
+    try:
+        h2c.send_headers(stream_id, [(b":status", str(status).encode()), (b"content-type", b"text/plain"),
+                                     (b"content-length", str(len(body)).encode())])
+        if len(body) <= min(h2c.local_flow_control_window(stream_id), h2c.max_outbound_frame_size):
+            h2c.send_data(stream_id, body, end_stream=True)
+        else:
+            h2c.send_data(stream_id, b"", end_stream=True)
+    except H2Refused:
+        pass  # the stream or the connection was closed by a later frame of the same read
 
 
 _ACCEPTED: dict = {}  # grpc-accept-encoding values seen -> their codings (a client sends the same each call)
