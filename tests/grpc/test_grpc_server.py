@@ -442,3 +442,31 @@ async def test_authentication_once_per_connection_from_the_authorization_metadat
     assert auth.asked == [b"Bearer good", b"Bearer bad"]  # once per connection
     assert servicer.cntls[0].authentication_data == b"Bearer good"
     assert server.stats.closed["auth_failed"] == 1
+
+
+@pytest.mark.parametrize("refusal", ["texted", "cancelled"])
+async def test_a_refusal_carries_the_authenticators_text_and_a_cancelled_check_refuses(refusal):
+    """The same rules as baidu_std and HTTP (server/auth.py): unauthorized_error_text() follows
+    "Fail to authenticate"; an authenticator whose awaitable is cancelled refuses, as one that
+    raises, rather than failing the call INTERNAL."""
+    class Texted(Authenticator):
+        def unauthorized_error_text(self):
+            return "ask the operator"
+
+    class Cancelled(Authenticator):
+        async def verify_credential(self, credential, peer):
+            raise asyncio.CancelledError()
+
+    server, servicer = await started(auth=Texted() if refusal == "texted" else Cancelled())
+
+    def call():
+        with grpc.insecure_channel(server.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                stubs(ch)["Unary"](Msg(text="in"), timeout=5, metadata=[("authorization", "Bearer bad")])
+        return e.value.code(), e.value.details()
+    try:
+        code, details = await blocking(call)
+    finally:
+        await stopped(server)
+    assert code is grpc.StatusCode.UNAUTHENTICATED and not servicer.cntls
+    assert details == ("Fail to authenticate: ask the operator" if refusal == "texted" else "Fail to authenticate")

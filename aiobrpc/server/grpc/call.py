@@ -29,6 +29,7 @@ from ...errors import ECANCELED, EINTERNAL, EREQUEST, ERESPONSE, ERPCAUTH, ERPCT
 from ...protocol import grpc as codec
 from ..dispatch import (handler_failed, limit_error, request_ended, server_admission_error, set_failed,
                         user_fields_error)
+from .. import auth
 from ..inline import run_inline
 
 log = logging.getLogger(__name__)
@@ -399,7 +400,7 @@ class GrpcCall:
                     credential = credential.encode("latin-1") if isinstance(credential, str) else credential
                     if not await session.authenticate(credential):
                         refused = True
-                        raise RpcError(ERPCAUTH, "Fail to authenticate")
+                        raise RpcError(ERPCAUTH, auth.refusal_text(server.options.auth))
                     cntl.authentication_data = credential
                 if not entry.streaming:
                     if entry.is_async:

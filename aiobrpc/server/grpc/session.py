@@ -33,7 +33,6 @@ one message (GrpcCall._send_response).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 
 import h2.events
@@ -45,6 +44,7 @@ from ...protocol import grpc as codec
 from ...protocol import h2_policy
 from ...protocol.h2_policy import MALFORMED_REQUEST
 from ...transport.tcp import RateLimitedLog
+from .. import auth
 from .call import GrpcCall, respond_plain
 
 log = logging.getLogger(__name__)
@@ -319,20 +319,13 @@ class H2Session:
         return await asyncio.shield(verdict)
 
     async def _verify(self, credential: bytes) -> bool:
-        why = ""
-        try:
-            ok = self.server.options.auth.verify_credential(credential, self.conn.peer)
-            if inspect.isawaitable(ok):
-                ok = await ok
-            ok = bool(ok)
-        except Exception as e:  # noqa: BLE001 - the authenticator's failure refuses the connection
-            ok, why = False, f": authenticator raised {e!r}"
+        ok, why = await auth.verify(self.server.options.auth, credential, self.conn.peer)
         if ok:
             self.authenticated = True
             self.conn.credential = credential
         else:
             self.server.stats.count_close("auth_failed")
-            _close_log(logging.WARNING, "authentication failed for %s%s", self.conn.peer, why)
+            _close_log(logging.WARNING, "authentication failed for %s%s", self.conn.peer, f": {why}" if why else "")
         return ok
 
     # -- timers: a stream in time, a header block finished in time, idleness ---------------------
