@@ -63,7 +63,8 @@ async def drive(data: bytes, auth: bool, chunk: int, eof: bool) -> str:
         raise
     except Exception as e:
         raise H.Finding(f"feeding the connection raised {e!r}") from e
-    if not await H.settle(lambda: (conn.inflight == 0 and not _http_busy(conn)) or t.lost):
+    if not await H.settle(lambda: ((conn.inflight == 0 or _waiting_for_peer(conn)) and not _http_busy(conn))
+                          or t.lost):
         raise H.Finding(f"hang: {conn.inflight} requests still in flight after the input")
     if eof and not t.closed:
         try:
@@ -88,6 +89,18 @@ async def drive(data: bytes, auth: bool, chunk: int, eof: bool) -> str:
     if http is not None and getattr(http, "calls", None):
         raise H.Finding(f"leak: {len(http.calls)} HTTP/2 calls left in the session")
     return result
+
+
+def _waiting_for_peer(conn) -> bool:
+    """Every HTTP/2 call still running waits for the client (its request not ended: a client or
+    bidi stream; or its reply held by the client's window): not a hang, the peer's reset after
+    the input must end them (checked below)."""
+    http = conn.http
+    calls = getattr(http, "calls", None)
+    if not calls:
+        return False
+    waiting = http.waiting_for_window
+    return conn.inflight <= sum(1 for c in calls.values() if not c.request_done or c in waiting)
 
 
 def _http_busy(conn) -> bool:
