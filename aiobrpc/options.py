@@ -162,13 +162,7 @@ class ChannelOptions:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS} (or brpc's 'h2:grpc'), got {self.protocol!r}")
         self.interceptors = checked_interceptors("interceptors", self.interceptors)
-        if not isinstance(self.socket_keepalive, bool):
-            raise TypeError(f"socket_keepalive must be a bool, got {self.socket_keepalive!r}")
-        for name in ("socket_keepalive_idle_s", "socket_keepalive_interval_s", "socket_keepalive_count",
-                     "tcp_user_timeout_ms"):
-            v = getattr(self, name)
-            if not _is_int(v) or not (v == -1 or 0 < v <= 0x7FFFFFFF):
-                raise ValueError(f"{name} must be -1 (the system's) or an int in 1..2147483647, got {v!r}")
+        _check_socket_options(self)
         if not isinstance(self.connection_group, str):
             raise TypeError(f"connection_group must be a str, got {type(self.connection_group).__name__}")
         if not _is_int(self.ssl_handshake_timeout_ms) or self.ssl_handshake_timeout_ms < 1:
@@ -365,6 +359,16 @@ class ServerOptions:
             whose first bytes are a TLS handshake is served over TLS, and what it speaks
             inside (baidu_std, HTTP) is detected again; others are served in plaintext
             unless `force_ssl`. None: TLS connections are closed.
+        socket_keepalive: TCP keepalive on accepted connections, so that a client that
+            vanished without a FIN or RST (a host powered off, a NAT that forgot the flow, a
+            reset lost on the way) is found and its connection, calls and streams ended, even
+            with no idle timeout. On by default (stricter than brpc, whose -socket_keepalive is
+            off): a dead client is found after socket_keepalive_idle_s plus
+            socket_keepalive_count probes socket_keepalive_interval_s apart (90 s).
+        socket_keepalive_idle_s, socket_keepalive_interval_s, socket_keepalive_count: As the
+            channel's (TCP_KEEPIDLE, TCP_KEEPINTVL, TCP_KEEPCNT); -1: the system's.
+        tcp_user_timeout_ms: Milliseconds a reply's bytes may stay unacknowledged before the
+            kernel drops the connection (TCP_USER_TIMEOUT, Linux); -1: the system's.
         force_ssl: Close every connection that does not start with a TLS handshake. None
             (default): True exactly when `ssl` requires client certificates
             (`verify_client="required"`, or an SSLContext with `verify_mode` CERT_REQUIRED), so
@@ -404,6 +408,11 @@ class ServerOptions:
     max_user_fields_bytes: int = 1 << 20
     ssl: Any = None  # a tls.ServerTlsOptions or an ssl.SSLContext
     force_ssl: bool | None = None  # None: True when ssl requires client certificates
+    socket_keepalive: bool = True  # stricter than brpc: dead clients are found
+    socket_keepalive_idle_s: int = 60
+    socket_keepalive_interval_s: int = 10
+    socket_keepalive_count: int = 3
+    tcp_user_timeout_ms: int = -1
     ssl_handshake_timeout_sec: float = 5.0
     extra: dict = field(default_factory=dict)
     interceptors: Sequence = ()  # async (request, cntl, proceed) -> response, first outermost
@@ -417,6 +426,7 @@ class ServerOptions:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.ssl is not None and not isinstance(self.ssl, (ssl_module.SSLContext, ServerTlsOptions)):
             raise TypeError(f"ssl must be None, a ServerTlsOptions or an ssl.SSLContext, got {type(self.ssl).__name__}")
+        _check_socket_options(self)
         if self.force_ssl is not None and not isinstance(self.force_ssl, bool):
             raise TypeError(f"force_ssl must be None, True or False, got {self.force_ssl!r}")
         if self.force_ssl and self.ssl is None:
@@ -447,6 +457,16 @@ class ServerOptions:
             raise ValueError(f"max_user_fields must be an int in 0..1024, got {self.max_user_fields!r}")
         if not _is_int(self.max_user_fields_bytes) or self.max_user_fields_bytes < 0:
             raise ValueError(f"max_user_fields_bytes must be an int >= 0, got {self.max_user_fields_bytes!r}")
+
+
+def _check_socket_options(options) -> None:
+    if not isinstance(options.socket_keepalive, bool):
+        raise TypeError(f"socket_keepalive must be a bool, got {options.socket_keepalive!r}")
+    for name in ("socket_keepalive_idle_s", "socket_keepalive_interval_s", "socket_keepalive_count",
+                 "tcp_user_timeout_ms"):
+        v = getattr(options, name)
+        if not _is_int(v) or not (v == -1 or 0 < v <= 0x7FFFFFFF):
+            raise ValueError(f"{name} must be -1 (the system's) or an int in 1..2147483647, got {v!r}")
 
 
 def _is_number(v) -> bool:

@@ -32,6 +32,7 @@ from ..errors import (ECONNREFUSED, EFAILEDSOCKET, EHOSTUNREACH, ENETUNREACH, ER
                       ETIMEDOUT, RpcError)
 from ..tls import client_context_of
 from ..transport.connect import TlsHandshakeError, open_connection
+from ..transport.sockopts import set_socket_options
 from .circuit_breaker import CircuitBreaker
 from .connection import ClientConnection, SharedStats
 from .grpc_connection import GrpcConnection
@@ -395,31 +396,6 @@ class ServerPool:
     def __repr__(self) -> str:
         state = "up" if self.available else "logged off" if self.logged_off else "down"
         return f"<ServerPool {self.address} {state} {len(self.connections)} connections>"
-
-
-def set_socket_options(transport, options) -> None:
-    """TCP keepalive and TCP_USER_TIMEOUT as `options` ask; a socket that refuses one is logged
-    and used as it is (the options tune failure detection, they are not needed to talk)."""
-    wanted = []
-    if options.socket_keepalive:
-        wanted.append((socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1))
-        for name, value in (("TCP_KEEPIDLE", options.socket_keepalive_idle_s),
-                            ("TCP_KEEPINTVL", options.socket_keepalive_interval_s),
-                            ("TCP_KEEPCNT", options.socket_keepalive_count)):
-            if value > 0 and hasattr(socket, name):
-                wanted.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-    if options.tcp_user_timeout_ms > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
-        wanted.append((socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, options.tcp_user_timeout_ms))
-    if not wanted:
-        return
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
-        return
-    for level, name, value in wanted:
-        try:
-            sock.setsockopt(level, name, value)
-        except OSError as e:
-            log.warning("cannot set socket option %s=%s on %s: %s", name, value, sock, e)
 
 
 def cancel_on_dead_loop(handle) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ..errors import EEOF, EFAILEDSOCKET, RemoteProtocolError
 from ..protocol.baidu_std import SERVER
 from ..protocol.events import StreamFrameReceived
+from ..transport.sockopts import set_socket_options
 from ..transport.streams import StreamTable
 from ..transport.tcp import FramedConnection, RateLimitedLog
 from . import auth, detect
@@ -58,6 +59,7 @@ class ServerConnection(FramedConnection):
     def connection_made_hook(self) -> None:
         if not self.server._connection_opened(self):
             return
+        set_socket_options(self.transport, self.server.options)
         self._first_frame_timer = self.loop.call_later(
             self.server.options.first_frame_timeout_sec, self._no_first_frame)
 

@@ -215,3 +215,36 @@ async def main():
     assert r["codes"].get("0", 0) >= LANES * CALLS_PER_LANE // 2, r
     # no hang: no call outlives its deadline
     assert r["max"] < TIMEOUT_MS / 1000 + 0.5, r
+
+
+def test_e13_a_client_gone_without_fin_or_rst_is_found_by_keepalive(netns):
+    """After a served call, every packet from the server to the client is dropped (the client's
+    host is gone, and no RST comes back): with keepalive probes unanswered the server's kernel
+    drops the connection, and the server ends it with its streams and calls (no idle timeout)."""
+    r = netns(f"""
+async def main():
+    srv = aiobrpc.Server(aiobrpc.ServerOptions(socket_keepalive_idle_s=1, socket_keepalive_interval_s=1,
+                                               socket_keepalive_count=2))
+    srv.add_service(InteropEcho())
+    await srv.start("127.0.0.1:{SERVER_PORT}")
+    ch, stub = channel({SERVER_PORT}, max_retry=0, timeout_ms=2000)
+    first = await call(stub)
+    before = len(srv.connections)
+    nft({drop_rule_from(SERVER_PORT)!r})
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while srv.connections and loop.time() - t0 < 20:
+        await asyncio.sleep(0.1)
+    out = {{"first": first, "before": before, "after": len(srv.connections), "seconds": loop.time() - t0}}
+    await ch.close()
+    await stop(srv)
+    return out
+""")
+    assert r["first"][0] == 0 and r["before"] == 1, r
+    assert r["after"] == 0, r  # found: 1 s idle + 2 probes 1 s apart, and the kernel's retransmits
+
+
+def drop_rule_from(port: int) -> str:
+    """Every packet the server on `port` sends (its replies and its keepalive probes) is dropped."""
+    return ("table inet fault {\n chain out {\n  type filter hook output priority 0; policy accept;\n"
+            f"  tcp sport {port} drop\n }}\n}}\n")
