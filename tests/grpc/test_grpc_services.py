@@ -102,3 +102,50 @@ async def test_reflection_v1_answers_files_and_not_found():
 def test_the_options_are_bools():
     with pytest.raises(TypeError, match="grpc_health must be a bool"):
         ServerOptions(grpc_health=1)
+
+
+async def test_a_watcher_that_goes_away_leaves_the_other_watchers_watching():
+    """fuzz/h2_server finding: a Watch cancelled (its client reset the stream) cancelled the one
+    future every watcher waited on: the others failed, and every later Watch at once."""
+    import h2.events
+
+    from tests.grpc.test_grpc_hostile import Peer
+
+    server, _ = await started(grpc_health=True)
+    path = b"/grpc.health.v1.Health/Watch"
+    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path), (b":authority", b"x"),
+               (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+    body = health_pb2.HealthCheckRequest(service="aiobrpc.test.GrpcTestService").SerializeToString()
+
+    def statuses(events, sid) -> list:
+        data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived) and e.stream_id == sid)
+        out = []
+        while len(data) >= 5:
+            n = int.from_bytes(data[1:5], "big")
+            out.append(health_pb2.HealthCheckResponse.FromString(data[5:5 + n]).status)
+            data = data[5 + n:]
+        return out
+
+    def ended(events, sid) -> bool:
+        return any(isinstance(e, (h2.events.StreamEnded, h2.events.StreamReset)) and e.stream_id == sid
+                   for e in events)
+
+    try:
+        peer = await Peer.connect(server)
+        sids = []
+        for _ in range(2):
+            sid = peer.h2.get_next_available_stream_id()
+            peer.h2.send_headers(sid, headers)
+            peer.h2.send_data(sid, b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
+            sids.append(sid)
+        peer.send()
+        assert await peer.read_until(lambda ev: all(statuses(ev, s) == [SERVING] for s in sids))
+        peer.h2.reset_stream(sids[0])  # the first watcher goes away
+        peer.send()
+        await asyncio.sleep(0.05)
+        server.grpc_health.set_status("aiobrpc.test.GrpcTestService", False)
+        assert await peer.read_until(lambda ev: statuses(ev, sids[1]) == [SERVING, NOT_SERVING])
+        assert not ended(peer.events, sids[1])  # still watching
+        peer.close()
+    finally:
+        await stopped(server)

@@ -78,4 +78,6 @@ class HealthServicer(Servicer):
                 return
             if self._changed is None:
                 self._changed = asyncio.get_running_loop().create_future()
-            await self._changed
+            # shielded: a watcher cancelled (its client gone) must not cancel the future every
+            # other watcher waits on (each would then fail, and every later Watch at once)
+            await asyncio.shield(self._changed)
