@@ -92,15 +92,17 @@ async def drive(data: bytes, auth: bool, chunk: int, eof: bool) -> str:
 
 
 def _waiting_for_peer(conn) -> bool:
-    """Every HTTP/2 call still running waits for the client (its request not ended: a client or
-    bidi stream; or its reply held by the client's window): not a hang, the peer's reset after
-    the input must end them (checked below)."""
+    """Every HTTP/2 call still running may go on by design: its request not ended (a client or
+    bidi stream), its reply held by the client's window, or a server stream (health's Watch
+    streams until a status changes). Not a hang: the peer's reset after the input must end them
+    (checked below). A unary call still running is one."""
     http = conn.http
     calls = getattr(http, "calls", None)
     if not calls:
         return False
     waiting = http.waiting_for_window
-    return conn.inflight <= sum(1 for c in calls.values() if not c.request_done or c in waiting)
+    return conn.inflight <= sum(1 for c in calls.values()
+                                if not c.request_done or c in waiting or (c.entry is not None and c.entry.streaming))
 
 
 def _http_busy(conn) -> bool:
