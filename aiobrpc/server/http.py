@@ -194,7 +194,13 @@ class HttpSession:
             self.finished = True
             self.conn.close()
             return
-        self._send(request, reply)
+        try:
+            self._send(request, reply)
+        except Exception as e:  # noqa: BLE001 - a bug of ours: never leave the connection busy forever
+            log.error("answering %s %s from %s raised %r; closing the connection", request.method, request.target,
+                      self.conn.peer, e, exc_info=e)
+            self.finished = True
+            self.conn.abort()
 
     async def _route(self, request: h11.Request, headers: dict, body: bytes) -> HttpReply | None:
         target = request.target.decode("latin-1")
@@ -241,12 +247,15 @@ class HttpSession:
         if close:
             headers.append(("Connection", "close"))
         try:
+            # latin-1, as request headers are read: a value echoed back (the request's
+            # Content-Type) may hold obs-text, which h11's ASCII would refuse
+            headers = [(n, v.encode("latin-1") if isinstance(v, str) else v) for n, v in headers]
             out = [parser.send(h11.Response(status_code=reply.status, headers=headers,
                                             reason=_REASONS.get(reply.status, b"")))]
             if reply.body and request is not None and request.method != b"HEAD":
                 out.append(parser.send(h11.Data(data=reply.body)))
             out.append(parser.send(h11.EndOfMessage()))
-        except h11.LocalProtocolError as e:
+        except (h11.LocalProtocolError, ValueError) as e:  # ValueError: a value no encoding takes
             log.error("cannot answer %s: %s; closing the connection", self.conn.peer, e)
             self.finished = True
             self.conn.abort()

@@ -284,6 +284,18 @@ async def test_a_header_value_with_a_control_character_never_reaches_the_handler
     assert status == 200
 
 
+async def test_a_content_type_with_obs_text_is_answered_and_echoed(server):
+    """fuzz/http_server finding: the reply echoes the request's Content-Type, read as latin-1;
+    h11 encoded it as ASCII, the answer raised, and the connection stayed busy for ever."""
+    body = json.dumps({"message": "hi"}).encode()
+    ctype = b"application/js\x8f\x93on"
+    got, closed = await raw_exchange(server.port, b"POST /%s/Echo HTTP/1.1\r\nHost: x\r\nContent-Type: %s\r\n"
+                                     b"Content-Length: %d\r\n\r\n" % (SVC.encode(), ctype, len(body)) + body
+                                     + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", read_timeout=1)
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b"Content-Type: " + ctype + b"\r\n" in got
+    assert got.endswith(b"\r\n\r\nOK") and not closed  # the next request on the connection answered
+
+
 async def test_a_chunked_body_over_the_limit_is_refused_before_it_is_all_read(server):
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
