@@ -5,17 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest_asyncio
-
-from tests.grpc.test_grpc_hostile import PATH, Msg, Peer, started, trailers_of
-
-
-@pytest_asyncio.fixture
-async def server():
-    srv = await started()
-    yield srv
-    await srv.stop()
-    await srv.join(1)
+from tests.grpc.test_grpc_hostile import PATH, Msg, Peer, server, trailers_of  # noqa: F401  (server: the fixture)
 
 
 def _call(peer: Peer, timeout: bytes, body: bytes) -> int:
