@@ -136,7 +136,12 @@ async def serve(port: int, idle_s: float, stream_idle_ms: int) -> None:
     fig = Figures()
     loop.set_exception_handler(lambda lp, ctx: fig.loop_errors.append(
         repr(ctx.get("exception", ctx.get("message")))))
-    server = aiobrpc.Server(aiobrpc.ServerOptions(idle_timeout_sec=idle_s))
+    # A client killed while the network drops its packets leaves a half-open connection: found
+    # by keepalive when idle and by TCP_USER_TIMEOUT when replies wait unacknowledged, within a
+    # phase's settling time here (the defaults take 90 s: docs/soak.md, "Half-open connections")
+    server = aiobrpc.Server(aiobrpc.ServerOptions(idle_timeout_sec=idle_s, socket_keepalive_idle_s=1,
+                                                  socket_keepalive_interval_s=1, socket_keepalive_count=2,
+                                                  tcp_user_timeout_ms=3000))
     server.add_service(SoakEcho(fig, server, stream_idle_ms))
     server.add_service(SoakGrpc(fig))
     for attempt in range(250):  # the port may still be held for a moment after a kill
