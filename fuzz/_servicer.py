@@ -40,7 +40,7 @@ class FuzzEcho(aiobrpc.Servicer):
         if request.close_connection:
             cntl.close_connection("asked by the request")
             return None
-        if request.HasField("fail_code"):
+        if request.HasField("fail_code") and request.fail_code != 0:  # 0: set_failed refuses it (ValueError), a handler bug
             cntl.set_failed(request.fail_code, request.fail_text)
             return None
         att = bytes(cntl.request_attachment) if cntl.request_attachment is not None else b""
