@@ -118,3 +118,14 @@ def one_raw(data: bytes) -> str:
     chunk, eof, body = H.control(data)
     auth = bool(data[0] & 16) if data else False
     return H.run(lambda _: drive(body, auth, chunk, eof), data)
+
+
+def one_input(data: bytes, build) -> str:
+    """A harness's input: with bit 5 of the control byte, the rest is a recipe that `build`
+    (given a _Provider) turns into the client's bytes; otherwise raw bytes (one_raw)."""
+    if data and data[0] & 32:
+        body = build(H._Provider(data[1:]))
+        chunk, eof, _ = H.control(data)
+        auth = bool(data[0] & 16)
+        return H.run(lambda _: drive(body, auth, chunk, eof), data)
+    return one_raw(data)

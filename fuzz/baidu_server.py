@@ -183,12 +183,7 @@ def frames(p: H._Provider) -> bytes:
 
 
 def one_input(data: bytes) -> str:
-    if data and data[0] & 32:
-        body = frames(H._Provider(data[1:]))
-        chunk, eof, _ = H.control(data)
-        auth = bool(data[0] & 16)
-        return H.run(lambda _: _server.drive(body, auth, chunk, eof), data)
-    return _server.one_raw(data)
+    return _server.one_input(data, frames)
 
 
 if __name__ == "__main__":

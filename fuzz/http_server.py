@@ -128,12 +128,7 @@ def requests(p: H._Provider) -> bytes:
 
 
 def one_input(data: bytes) -> str:
-    if data and data[0] & 32:
-        body = requests(H._Provider(data[1:]))
-        chunk, eof, _ = H.control(data)
-        auth = bool(data[0] & 16)
-        return H.run(lambda _: _server.drive(body, auth, chunk, eof), data)
-    return _server.one_raw(data)
+    return _server.one_input(data, requests)
 
 
 if __name__ == "__main__":

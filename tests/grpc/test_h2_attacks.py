@@ -14,12 +14,13 @@ import pytest
 from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
 
-from aiobrpc import Server, ServerOptions, Servicer
+from aiobrpc import Server, Servicer
 from aiobrpc._proto import grpc_test_pb2
 from aiobrpc.protocol.grpc import PREFIX_SIZE
 from aiobrpc.server.grpc import session as h2_session
 from tests.grpc.test_grpc_hostile import (GRPC_HEADERS, PATH, Peer, RawPeer, logs_not_rate_limited,  # noqa: F401
                                           p_status, still_serves, trailers_of)
+from tests.grpc.test_grpc_server import started, stopped
 
 Msg = grpc_test_pb2.GrpcMessage
 SERVICE = grpc_test_pb2.DESCRIPTOR.services_by_name["GrpcTestService"]
@@ -61,16 +62,7 @@ class Attacked(Servicer):
 
 
 async def serving(**opts) -> tuple[Server, Attacked]:
-    servicer = Attacked()
-    server = Server(ServerOptions(**opts))
-    server.add_service(servicer)
-    await server.start("127.0.0.1:0")
-    return server, servicer
-
-
-async def stopped(server: Server) -> None:
-    await server.stop()
-    await server.join(2)
+    return await started(Attacked(), **opts)
 
 
 async def eventually(condition, timeout: float = 5.0) -> bool:
