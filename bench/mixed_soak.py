@@ -270,6 +270,7 @@ class MixedSoak:
         self.http_rr = 0
         self.slow_i = 0
         self.phase = 0
+        self.chaos_stop: asyncio.Event | None = None  # set: the fault loops end
         self.issue_s = 0.0
 
     # -- the cluster -------------------------------------------------------------------------
@@ -449,12 +450,19 @@ class MixedSoak:
             await self.checked(kind, cid)
 
     # -- faults ------------------------------------------------------------------------------
+    async def chaos_pause(self, seconds: float) -> bool:
+        """Sleep `seconds` unless the phase ends first: whether the faults go on."""
+        try:
+            await asyncio.wait_for(self.chaos_stop.wait(), seconds)
+        except asyncio.TimeoutError:
+            return True
+        return False
+
     async def server_killer(self) -> None:
         victims = self.servers[1:]
         if not victims:
             return
-        while True:
-            await asyncio.sleep(self.rng.expovariate(1 / self.cfg.kill_every_s))
+        while await self.chaos_pause(self.rng.expovariate(1 / self.cfg.kill_every_s)):
             s = self.rng.choice(victims)
             if not s.ready:
                 continue
@@ -486,9 +494,9 @@ class MixedSoak:
             self.victim["last"] = (0, 0)
 
     async def victim_killer(self) -> None:
-        while True:
+        while not self.chaos_stop.is_set():
             await self.victim_proc.start()
-            await asyncio.sleep(self.rng.expovariate(1 / self.cfg.victim_every_s))
+            await self.chaos_pause(self.rng.expovariate(1 / self.cfg.victim_every_s))
             await self.kill_victim()
             self.faults["client_killed"] += 1
 
@@ -501,8 +509,7 @@ class MixedSoak:
         self.hostile[f"{rec['k']} closed by the server"] += bool(rec["c"])
 
     async def slow_readers(self) -> None:
-        while True:
-            await asyncio.sleep(self.rng.expovariate(1 / self.cfg.slow_every_s))
+        while await self.chaos_pause(self.rng.expovariate(1 / self.cfg.slow_every_s)):
             kind = ("grpc", "strm")[self.slow_i % 2]
             self.slow_i += 1
             self.faults[f"slow_reader_{kind}"] += 1
@@ -567,8 +574,7 @@ class MixedSoak:
             await stream.close()
 
     async def net_faults(self) -> None:
-        while True:
-            await asyncio.sleep(self.rng.expovariate(1 / self.cfg.net_every_s))
+        while await self.chaos_pause(self.rng.expovariate(1 / self.cfg.net_every_s)):
             port = self.rng.choice(self.servers).port
             kind = self.rng.choice(("loss", "reset", "blackhole"))
             if kind == "loss":
@@ -705,6 +711,14 @@ class MixedSoak:
                             "procs": procs})
 
     # -- the run -----------------------------------------------------------------------------
+    def report_overrun(self, after_s: float) -> None:
+        """The run should have ended by now: print where each task waits, for whoever kills it."""
+        print(f"mixed soak: still running {after_s:.0f} s after its start (phase {self.phase}); "
+              f"its tasks wait at:", file=sys.stderr, flush=True)
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=6, file=sys.stderr)
+        sys.stderr.flush()
+
     async def run(self) -> dict:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
@@ -712,6 +726,7 @@ class MixedSoak:
             repr(ctx.get("exception", ctx.get("message")))))
         t0 = loop.time()
         end = t0 + cfg.seconds
+        overrun = loop.call_later(cfg.seconds + 30, self.report_overrun, cfg.seconds + 30)
         self.tmp = tempfile.mkdtemp(prefix="mixed_soak_")
         self.naming = os.path.join(self.tmp, "servers")
         logs = open(os.path.join(self.tmp, "helpers.log"), "ab")
@@ -759,16 +774,22 @@ class MixedSoak:
                         await self.hostile_proc.start()
                     if cfg.netns:
                         chaos.append(self.net_faults())
+                self.chaos_stop = asyncio.Event()
                 chaos = [loop.create_task(c) for c in chaos]
                 p0 = time.perf_counter()
                 stop_at = loop.time() + length
                 workers = [loop.create_task(self.worker(stop_at)) for _ in range(cfg.concurrency)]
                 await asyncio.wait(workers, timeout=max(0.0, stop_at - loop.time()))
-                for t in chaos:
-                    t.cancel()
-                await asyncio.gather(*chaos, return_exceptions=True)
+                # The fault loops end themselves, never cancelled in the middle of a fault: a
+                # process spawn cancelled half-way leaks its pipes (Python 3.10), and 3.10's
+                # wait_for can swallow a cancel; cancelled only if one is stuck.
+                self.chaos_stop.set()
                 await asyncio.gather(*workers)
                 phase_walls.append(time.perf_counter() - p0)
+                _, stuck = await asyncio.wait(chaos, timeout=LIMIT_S["grpc_bidi"] + 10) if chaos else ((), ())
+                for t in stuck:
+                    t.cancel()
+                await asyncio.gather(*chaos, return_exceptions=True)
                 await self.restore()
                 self.verify(loop.time() - 0.0)
                 await self.settle_and_check(self.phase, t0)
@@ -787,6 +808,7 @@ class MixedSoak:
             logs.close()
             await asyncio.sleep(0)
             loop.set_exception_handler(None)
+            overrun.cancel()
         issued = self.next_id
         self.issue_s = sum(phase_walls)
         kinds = {}

@@ -14,6 +14,8 @@ finding.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import tempfile
 
@@ -30,7 +32,13 @@ def _path() -> str:
     if _tmp is None:
         fd, _tmp = tempfile.mkstemp(prefix="aiobrpc-fuzz-naming-")
         os.close(fd)
+        atexit.register(_remove, _tmp)
     return _tmp
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _check(nodes) -> str:

@@ -187,7 +187,7 @@ async def call_over_http(server, conn, path: str, headers: dict, body: bytes) ->
     if conn.credential is not None:
         cntl.authentication_data = conn.credential
     log_id = headers.get("log-id", "")
-    if log_id.isdigit() and int(log_id) < 1 << 64:
+    if log_id.isascii() and log_id.isdigit() and int(log_id) < 1 << 64:
         cntl.log_id = int(log_id)
     ids = [headers.get(h, "") for h in ("x-bd-trace-id", "x-bd-span-id", "x-bd-parent-span-id")]
     if _is_id(ids[0]):  # brpc's HTTP client sends its span's ids in these headers, in decimal
@@ -249,7 +249,7 @@ def _inflated(body: bytes, encoding: str | None, max_size: int) -> bytes:
 
 
 def _is_id(v: str) -> bool:
-    return v.isdigit() and 0 < int(v) < 1 << 64
+    return v.isascii() and v.isdigit() and 0 < int(v) < 1 << 64
 
 
 def _refused(server, code: int, text: str, tag: str) -> HttpReply:

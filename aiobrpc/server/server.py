@@ -180,7 +180,7 @@ class Server:
             host, port = "0.0.0.0", address
         else:
             host, sep, port_s = address.rpartition(":")
-            if not sep or not port_s.isdigit():
+            if not sep or not (port_s.isascii() and port_s.isdigit()):
                 raise ValueError(f"address must look like 'host:port' (port 0 = any), got {address!r}")
             host, port = host.strip("[]") or "0.0.0.0", int(port_s)
         loop = asyncio.get_running_loop()

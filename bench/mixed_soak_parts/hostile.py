@@ -47,6 +47,11 @@ def rapid_reset_bytes(n: int = 300) -> bytes:
     return c.data_to_send()
 
 
+async def drain(reader: asyncio.StreamReader) -> None:
+    while await reader.read(65536):
+        pass
+
+
 async def burst(port: int, kind: str, rng: random.Random) -> bool:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -70,11 +75,9 @@ async def burst(port: int, kind: str, rng: random.Random) -> bool:
                     break
                 if byte == ord("\n") and rng.random() < 0.1:
                     break
-        async with asyncio.timeout(2.0):
-            while await reader.read(65536):
-                pass
+        await asyncio.wait_for(drain(reader), 2.0)  # not asyncio.timeout: Python 3.10 too
         closed = True
-    except (OSError, TimeoutError):
+    except (OSError, asyncio.TimeoutError):
         pass
     finally:
         writer.transport.abort()

@@ -65,39 +65,17 @@ class HttpPool:
 
     async def post_json(self, address: str, path: str, obj, timeout: float) -> tuple[int, object]:
         body = json.dumps(obj).encode()
-        conn = None
+        held: list[_Conn] = []  # the connection in use, for the cleanup below
         try:
-            async with asyncio.timeout(timeout):
-                idle = self.idle.get(address)
-                while idle:  # the server may have closed an idle one meanwhile
-                    conn = idle.pop()
-                    if not conn.writer.transport.is_closing() and not conn.reader.at_eof():
-                        break
-                    conn.close()
-                    conn = None
-                if conn is None:
-                    host, port = address.rsplit(":", 1)
-                    try:
-                        conn = _Conn(*await asyncio.open_connection(host, int(port)))
-                    except OSError as e:
-                        raise HttpError(f"connect: {e.__class__.__name__}") from None
-                    self.connects += 1
-                self.busy.add(conn)
-                try:
-                    status, raw = await conn.exchange(address, path, body)
-                except (OSError, h11.ProtocolError, RuntimeError) as e:  # uvloop: write on a closed transport
-                    raise HttpError(f"{'reused' if conn.reused else 'new'} connection: "
-                                    f"{e.__class__.__name__}") from None
-        except TimeoutError:
-            if conn is not None:
-                conn.close()
-                self.busy.discard(conn)
+            # wait_for, not asyncio.timeout: the soak runs on Python 3.10 too
+            status, raw = await asyncio.wait_for(self._exchange(address, path, body, held), timeout)
+        except asyncio.TimeoutError:
+            self._drop(held)
             raise HttpError("timeout") from None
         except BaseException:
-            if conn is not None:
-                conn.close()
-                self.busy.discard(conn)
+            self._drop(held)
             raise
+        conn = held[0]
         self.busy.discard(conn)
         c = conn.h11
         if c.our_state is h11.DONE and c.their_state is h11.DONE:
@@ -110,6 +88,35 @@ class HttpPool:
             return status, json.loads(raw)
         except ValueError:
             return status, raw
+
+    async def _exchange(self, address: str, path: str, body: bytes, held: list[_Conn]) -> tuple[int, bytes]:
+        conn = None
+        idle = self.idle.get(address)
+        while idle:  # the server may have closed an idle one meanwhile
+            conn = idle.pop()
+            if not conn.writer.transport.is_closing() and not conn.reader.at_eof():
+                break
+            conn.close()
+            conn = None
+        if conn is None:
+            host, port = address.rsplit(":", 1)
+            try:
+                conn = _Conn(*await asyncio.open_connection(host, int(port)))
+            except OSError as e:
+                raise HttpError(f"connect: {e.__class__.__name__}") from None
+            self.connects += 1
+        held.append(conn)
+        self.busy.add(conn)
+        try:
+            return await conn.exchange(address, path, body)
+        except (OSError, h11.ProtocolError, RuntimeError) as e:  # uvloop: write on a closed transport
+            raise HttpError(f"{'reused' if conn.reused else 'new'} connection: "
+                            f"{e.__class__.__name__}") from None
+
+    def _drop(self, held: list[_Conn]) -> None:
+        for conn in held:
+            conn.close()
+            self.busy.discard(conn)
 
     def close(self) -> None:
         for conns in self.idle.values():

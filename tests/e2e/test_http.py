@@ -296,6 +296,17 @@ async def test_a_content_type_with_obs_text_is_answered_and_echoed(server):
     assert got.endswith(b"\r\n\r\nOK") and not closed  # the next request on the connection answered
 
 
+async def test_ids_of_unicode_digits_are_ignored_not_raised(server):
+    """fuzz/http_server finding: a Log-Id of latin-1 superscript digits ("\xb9" reads as "¹",
+    which str.isdigit accepts and int refuses) raised in the answer: a traceback, no reply."""
+    body = json.dumps({"message": "hi"}).encode()
+    for header in (b"Log-Id", b"X-Bd-Trace-Id", b"X-Bd-Span-Id"):
+        got, closed = await raw_exchange(server.port, b"POST /%s/Echo HTTP/1.1\r\nHost: x\r\n%s: \xb9\xb9\xb9\r\n"
+                                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                         % (SVC.encode(), header, len(body)) + body, read_timeout=1)
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b'{"message":"hi","log_id":0,' in got, (header, got)
+
+
 async def test_a_chunked_body_over_the_limit_is_refused_before_it_is_all_read(server):
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")

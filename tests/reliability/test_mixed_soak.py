@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -84,16 +85,23 @@ def test_mixed_soak_in_a_network_namespace():
     soak = load_mixed_soak()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        proc = subprocess.run(
+        # a session of its own: the soak runs again inside `unshare`, and a timeout must kill both
+        proc = subprocess.Popen(
             [sys.executable, str(ROOT / "bench" / "mixed_soak.py"), "--netns", "--calls", "20000",
              "--seconds", "40", "--concurrency", "24", "--phase-seconds", "3", "--warmup-seconds", "1.5",
              "--kill-every", "0.8", "--down", "0.2", "--victim-every", "0.8", "--hostile-rate", "20",
              "--slow-every", "1", "--net-every", "0.5", "--warm-phases", "1", "--rss-tolerance", "0.3",
              "--seed", "12", "--loop", "asyncio", "--json", out],
-            capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
-        assert os.path.exists(out), proc.stdout + proc.stderr
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"the soak (--seconds 40) was still running after 150 s:\n{stdout}\n{stderr[-6000:]}")
+        assert os.path.exists(out), stdout + stderr
         with open(out) as f:
             r = json.load(f)
     assert_invariants(soak, r)
-    assert proc.returncode == 0, proc.stdout
+    assert proc.returncode == 0, stdout
     assert sum(v for k, v in r["faults"].items() if k.startswith("net_")) >= 1, soak.table(r)

@@ -86,7 +86,8 @@ class EtcdTarget:
 
 
 def _endpoint(text: str, rest: str) -> tuple[str, int]:
-    has_port = text.rpartition(":")[2].isdigit() and (not text.startswith("[") or "]:" in text)
+    port = text.rpartition(":")[2]
+    has_port = port.isascii() and port.isdigit() and (not text.startswith("[") or "]:" in text)
     try:
         node = parse_entry(text if has_port else f"{text}:{DEFAULT_PORT}")
     except ValueError as e:

@@ -8,6 +8,7 @@ gives up a little after it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -56,7 +57,7 @@ class SyncPsWorker:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(self._timeout_s + _SLACK_S)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before 3.11
             future.cancel()
             raise TimeoutError(f"the parameter-server call did not end within {self._timeout_s + _SLACK_S:.0f} s "
                                f"(its deadline is {self._timeout_s} s)") from None
