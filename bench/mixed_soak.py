@@ -48,7 +48,9 @@ Checked (exit status 1 when one does not hold):
             (nothing left of the killed client, the hostile one, or cut connections);
     RSS: after the warm-up (the fault-free phase 0 and --warm-phases fault phases) within
             --rss-tolerance of the process's warmed-up sample (client and every server
-            incarnation that lived through a whole fault phase);
+            incarnation that lived through a whole fault phase); each process collects
+            garbage and calls malloc_trim(0) before it is sampled, so RSS counts memory
+            in use, not pages glibc freed and kept (docs/soak.md, run C);
   loop errors 0   nothing reached the loop's exception handler, here or in a server.
 Output: a table (QPS, p50/p99 per kind, faults by kind, failures by code, violations), the JSON
 with --json FILE, the plot of RSS and fds over time with --plot FILE (SVG).
@@ -83,7 +85,7 @@ if str(ROOT) not in sys.path:
 import aiobrpc  # noqa: E402
 from aiobrpc import errors  # noqa: E402
 from bench.mixed_soak_parts.common import (ECHO, GRPC, HTTP_PATH, STATS, Msg, Req,  # noqa: E402
-                                           rss_bytes, sample, tcp_table)
+                                           rss_bytes, sample, tcp_table, trim_heap)
 from bench.mixed_soak_parts.http_client import HttpError, HttpPool  # noqa: E402
 from bench.mixed_soak_parts.plot import memory_svg  # noqa: E402
 
@@ -616,6 +618,7 @@ class MixedSoak:
         stats = [await self.server_stats(s) for s in self.servers]
         await asyncio.sleep(0.1)  # the control connections close on both sides
         table = tcp_table()
+        trim_heap()  # RSS of memory in use: the servers trim theirs when asked for their figures
         client = sample("self", table)
         # A server the circuit breaker isolated is health-checked by a task until it is revived
         # (up to 30 s after the faults): those tasks are the channels', not leaks.

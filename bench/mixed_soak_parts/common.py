@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
+import gc
 import os
 import sys
 from pathlib import Path
@@ -33,6 +35,16 @@ def run(main_coro_fn, loop: str):
         import uvloop
         return uvloop.run(main_coro_fn())
     return asyncio.run(main_coro_fn())
+
+
+def trim_heap() -> None:
+    """Collect garbage and hand glibc's free heap pages back to the kernel (malloc_trim), so
+    that RSS sampled next counts memory in use, not memory freed and kept by the allocator."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def rss_bytes(pid: int | str = "self") -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiobrpc  # noqa: E402
-from bench.mixed_soak_parts.common import ECHO, GRPC, STATS, Msg, Resp, rss_bytes, run  # noqa: E402
+from bench.mixed_soak_parts.common import ECHO, GRPC, STATS, Msg, Resp, rss_bytes, run, trim_heap  # noqa: E402
 
 
 class Figures:
@@ -49,6 +49,7 @@ class SoakEcho(aiobrpc.Servicer):
 
     async def Echo(self, request, cntl):
         if request.message == STATS:
+            trim_heap()
             fig = self.fig
             return Resp(message=json.dumps({
                 "pid": os.getpid(), "rss": rss_bytes(), "fds": len(os.listdir("/proc/self/fd")),
