@@ -26,7 +26,7 @@ class CollectiveStub:
     async def Segment(self, request: collective_pb2.SegmentRequest,
                       cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
         if type(request) is not collective_pb2.SegmentRequest and not isinstance(request, collective_pb2.SegmentRequest):
-            raise TypeError(f"aiobrpc.collective.Collective.Segment takes a aiobrpc.collective.SegmentRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.collective.Collective.Segment takes a request of type aiobrpc.collective.SegmentRequest, got {type(request).__name__}")
         response: collective_pb2.Ack = await self.channel.call_method(
             "aiobrpc.collective.Collective", "Segment", request, collective_pb2.Ack, cntl)
         return response
@@ -34,7 +34,7 @@ class CollectiveStub:
     async def Abort(self, request: collective_pb2.AbortRequest,
                     cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
         if type(request) is not collective_pb2.AbortRequest and not isinstance(request, collective_pb2.AbortRequest):
-            raise TypeError(f"aiobrpc.collective.Collective.Abort takes a aiobrpc.collective.AbortRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.collective.Collective.Abort takes a request of type aiobrpc.collective.AbortRequest, got {type(request).__name__}")
         response: collective_pb2.Ack = await self.channel.call_method(
             "aiobrpc.collective.Collective", "Abort", request, collective_pb2.Ack, cntl)
         return response
@@ -42,9 +42,17 @@ class CollectiveStub:
     async def Status(self, request: collective_pb2.StatusRequest,
                      cntl: aiobrpc.Controller | None = None) -> collective_pb2.StatusResponse:
         if type(request) is not collective_pb2.StatusRequest and not isinstance(request, collective_pb2.StatusRequest):
-            raise TypeError(f"aiobrpc.collective.Collective.Status takes a aiobrpc.collective.StatusRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.collective.Collective.Status takes a request of type aiobrpc.collective.StatusRequest, got {type(request).__name__}")
         response: collective_pb2.StatusResponse = await self.channel.call_method(
             "aiobrpc.collective.Collective", "Status", request, collective_pb2.StatusResponse, cntl)
+        return response
+
+    async def Send(self, request: collective_pb2.SendRequest,
+                   cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
+        if type(request) is not collective_pb2.SendRequest and not isinstance(request, collective_pb2.SendRequest):
+            raise TypeError(f"aiobrpc.collective.Collective.Send takes a request of type aiobrpc.collective.SendRequest, got {type(request).__name__}")
+        response: collective_pb2.Ack = await self.channel.call_method(
+            "aiobrpc.collective.Collective", "Send", request, collective_pb2.Ack, cntl)
         return response
 
 
@@ -62,7 +70,7 @@ class CollectiveSyncStub:
     def Segment(self, request: collective_pb2.SegmentRequest,
                 cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
         if type(request) is not collective_pb2.SegmentRequest and not isinstance(request, collective_pb2.SegmentRequest):
-            raise TypeError(f"aiobrpc.collective.Collective.Segment takes a aiobrpc.collective.SegmentRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.collective.Collective.Segment takes a request of type aiobrpc.collective.SegmentRequest, got {type(request).__name__}")
         response: collective_pb2.Ack = self.channel.call_method(
             "aiobrpc.collective.Collective", "Segment", request, collective_pb2.Ack, cntl)
         return response
@@ -70,7 +78,7 @@ class CollectiveSyncStub:
     def Abort(self, request: collective_pb2.AbortRequest,
               cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
         if type(request) is not collective_pb2.AbortRequest and not isinstance(request, collective_pb2.AbortRequest):
-            raise TypeError(f"aiobrpc.collective.Collective.Abort takes a aiobrpc.collective.AbortRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.collective.Collective.Abort takes a request of type aiobrpc.collective.AbortRequest, got {type(request).__name__}")
         response: collective_pb2.Ack = self.channel.call_method(
             "aiobrpc.collective.Collective", "Abort", request, collective_pb2.Ack, cntl)
         return response
@@ -78,9 +86,17 @@ class CollectiveSyncStub:
     def Status(self, request: collective_pb2.StatusRequest,
                cntl: aiobrpc.Controller | None = None) -> collective_pb2.StatusResponse:
         if type(request) is not collective_pb2.StatusRequest and not isinstance(request, collective_pb2.StatusRequest):
-            raise TypeError(f"aiobrpc.collective.Collective.Status takes a aiobrpc.collective.StatusRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.collective.Collective.Status takes a request of type aiobrpc.collective.StatusRequest, got {type(request).__name__}")
         response: collective_pb2.StatusResponse = self.channel.call_method(
             "aiobrpc.collective.Collective", "Status", request, collective_pb2.StatusResponse, cntl)
+        return response
+
+    def Send(self, request: collective_pb2.SendRequest,
+             cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
+        if type(request) is not collective_pb2.SendRequest and not isinstance(request, collective_pb2.SendRequest):
+            raise TypeError(f"aiobrpc.collective.Collective.Send takes a request of type aiobrpc.collective.SendRequest, got {type(request).__name__}")
+        response: collective_pb2.Ack = self.channel.call_method(
+            "aiobrpc.collective.Collective", "Send", request, collective_pb2.Ack, cntl)
         return response
 
 
@@ -104,3 +120,7 @@ class CollectiveServicer(aiobrpc.Servicer):
     async def Status(self, request: collective_pb2.StatusRequest,
                      cntl: aiobrpc.Controller) -> collective_pb2.StatusResponse:
         raise aiobrpc.RpcError(aiobrpc.errors.EINTERNAL, "Method Status() not implemented.")
+
+    async def Send(self, request: collective_pb2.SendRequest,
+                   cntl: aiobrpc.Controller) -> collective_pb2.Ack:
+        raise aiobrpc.RpcError(aiobrpc.errors.EINTERNAL, "Method Send() not implemented.")

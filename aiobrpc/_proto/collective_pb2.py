@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ollective.proto\x12\x12\x61iobrpc.collective\"\x83\x01\n\x0eSegmentRequest\x12\r\n\x05group\x18\x01 \x02(\t\x12\n\n\x02op\x18\x02 \x02(\x04\x12\x0b\n\x03src\x18\x03 \x02(\x05\x12\x0c\n\x04kind\x18\x04 \x02(\x05\x12\r\n\x05\x64type\x18\x05 \x02(\x05\x12\r\n\x05numel\x18\x06 \x02(\x03\x12\x0c\n\x04step\x18\x07 \x02(\x05\x12\x0f\n\x07segment\x18\x08 \x02(\x05\"6\n\x03\x41\x63k\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x11\n\ttimed_out\x18\x03 \x01(\x08\"h\n\x0c\x41\x62ortRequest\x12\r\n\x05group\x18\x01 \x02(\t\x12\x0b\n\x03src\x18\x02 \x02(\x05\x12\n\n\x02op\x18\x03 \x02(\x04\x12\r\n\x05ranks\x18\x04 \x03(\x05\x12\x0e\n\x06reason\x18\x05 \x02(\t\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05group\x18\x01 \x02(\t\"I\n\x0eStatusResponse\x12\x0c\n\x04rank\x18\x01 \x02(\x05\x12\x13\n\x0bops_started\x18\x02 \x02(\x04\x12\x14\n\x0cops_finished\x18\x03 \x02(\x04\x32\xe9\x01\n\nCollective\x12\x46\n\x07Segment\x12\".aiobrpc.collective.SegmentRequest\x1a\x17.aiobrpc.collective.Ack\x12\x42\n\x05\x41\x62ort\x12 .aiobrpc.collective.AbortRequest\x1a\x17.aiobrpc.collective.Ack\x12O\n\x06Status\x12!.aiobrpc.collective.StatusRequest\x1a\".aiobrpc.collective.StatusResponse')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ollective.proto\x12\x12\x61iobrpc.collective\"\x83\x01\n\x0eSegmentRequest\x12\r\n\x05group\x18\x01 \x02(\t\x12\n\n\x02op\x18\x02 \x02(\x04\x12\x0b\n\x03src\x18\x03 \x02(\x05\x12\x0c\n\x04kind\x18\x04 \x02(\x05\x12\r\n\x05\x64type\x18\x05 \x02(\x05\x12\r\n\x05numel\x18\x06 \x02(\x03\x12\x0c\n\x04step\x18\x07 \x02(\x05\x12\x0f\n\x07segment\x18\x08 \x02(\x05\"D\n\x03\x41\x63k\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\x12\x11\n\ttimed_out\x18\x03 \x01(\x08\x12\x0c\n\x04\x62usy\x18\x04 \x01(\x08\"\x9e\x01\n\x0bSendRequest\x12\r\n\x05group\x18\x01 \x02(\t\x12\x0b\n\x03src\x18\x02 \x02(\x05\x12\x0c\n\x04\x63oll\x18\x03 \x02(\x04\x12\x0b\n\x03tag\x18\x04 \x02(\x03\x12\x0b\n\x03seq\x18\x05 \x02(\x04\x12\r\n\x05\x64type\x18\x06 \x02(\t\x12\r\n\x05numel\x18\x07 \x02(\x03\x12\x0e\n\x06nbytes\x18\x08 \x02(\x03\x12\r\n\x05phase\x18\t \x02(\x05\x12\x0e\n\x06offset\x18\n \x01(\x03\"h\n\x0c\x41\x62ortRequest\x12\r\n\x05group\x18\x01 \x02(\t\x12\x0b\n\x03src\x18\x02 \x02(\x05\x12\n\n\x02op\x18\x03 \x02(\x04\x12\r\n\x05ranks\x18\x04 \x03(\x05\x12\x0e\n\x06reason\x18\x05 \x02(\t\x12\x11\n\ttimed_out\x18\x06 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05group\x18\x01 \x02(\t\"I\n\x0eStatusResponse\x12\x0c\n\x04rank\x18\x01 \x02(\x05\x12\x13\n\x0bops_started\x18\x02 \x02(\x04\x12\x14\n\x0cops_finished\x18\x03 \x02(\x04\x32\xab\x02\n\nCollective\x12\x46\n\x07Segment\x12\".aiobrpc.collective.SegmentRequest\x1a\x17.aiobrpc.collective.Ack\x12\x42\n\x05\x41\x62ort\x12 .aiobrpc.collective.AbortRequest\x1a\x17.aiobrpc.collective.Ack\x12O\n\x06Status\x12!.aiobrpc.collective.StatusRequest\x1a\".aiobrpc.collective.StatusResponse\x12@\n\x04Send\x12\x1f.aiobrpc.collective.SendRequest\x1a\x17.aiobrpc.collective.Ack')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEGMENTREQUEST']._serialized_start=41
   _globals['_SEGMENTREQUEST']._serialized_end=172
   _globals['_ACK']._serialized_start=174
-  _globals['_ACK']._serialized_end=228
-  _globals['_ABORTREQUEST']._serialized_start=230
-  _globals['_ABORTREQUEST']._serialized_end=334
-  _globals['_STATUSREQUEST']._serialized_start=336
-  _globals['_STATUSREQUEST']._serialized_end=366
-  _globals['_STATUSRESPONSE']._serialized_start=368
-  _globals['_STATUSRESPONSE']._serialized_end=441
-  _globals['_COLLECTIVE']._serialized_start=444
-  _globals['_COLLECTIVE']._serialized_end=677
+  _globals['_ACK']._serialized_end=242
+  _globals['_SENDREQUEST']._serialized_start=245
+  _globals['_SENDREQUEST']._serialized_end=403
+  _globals['_ABORTREQUEST']._serialized_start=405
+  _globals['_ABORTREQUEST']._serialized_end=509
+  _globals['_STATUSREQUEST']._serialized_start=511
+  _globals['_STATUSREQUEST']._serialized_end=541
+  _globals['_STATUSRESPONSE']._serialized_start=543
+  _globals['_STATUSRESPONSE']._serialized_end=616
+  _globals['_COLLECTIVE']._serialized_start=619
+  _globals['_COLLECTIVE']._serialized_end=918
 # @@protoc_insertion_point(module_scope)

@@ -2,8 +2,9 @@
 ring collectives among N processes (here) and `ps`, a parameter server.
 
 `Group` (asyncio) and `GroupThread` (synchronous callers; its loop runs in a background thread)
-run all_reduce (SUM, AVG, MAX, MIN), reduce_scatter, all_gather, broadcast and barrier on
-numpy arrays and torch CPU tensors; the ranks meet through a store (`FileStore`, or any torch
+run all_reduce (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR), reduce_scatter, all_gather,
+broadcast, barrier, point-to-point send/recv, gather, scatter and all_to_all on numpy arrays
+and torch CPU tensors; the ranks meet through a store (`FileStore`, or any torch
 store). `aiobrpc.training.torch_backend` registers these as the torch.distributed backend
 "aiobrpc".
 

@@ -7,6 +7,10 @@ run one at a time in the order they are called, which must be the same on every 
 torch.distributed); each is numbered, and a segment that arrives before its collective has
 started here waits for it.
 
+Point-to-point messages (send, recv) and the collectives made of them (gather, scatter,
+all_to_all) are p2p.py's and exchange.py's; they share the group's numbering, connections and
+failure handling.
+
 Failure: a call to a rank that fails at the transport level (refused, reset, timed out) names
 that rank, breaks the group and tells every other rank (`Abort`), so their collectives fail at
 once with the same error. A collective that has not completed shortly before its timeout asks
@@ -36,7 +40,9 @@ from ..stub import Servicer, Stub
 from ..tensor import DTYPE_NAMES, raw_array
 from .._proto import collective_pb2 as pb
 from . import ops
+from . import p2p as p2p_mod
 from .errors import CollectiveError, CollectiveTimeout
+from .exchange import all_to_all, gather, scatter
 from .reduce import ReduceOp, reduce_op
 
 log = logging.getLogger(__name__)
@@ -102,6 +108,11 @@ class Group:
             this process has more cores than the group has ranks on this host, so the thread
             finds an idle core; otherwise every segment is taken on the loop, as the thread
             would only compete with the ranks for the cores (measured: docs/training.md).
+        p2p_eager_bytes: Messages up to this size travel in one call and may be held by the
+            receiver until their recv is posted; larger ones wait for it (p2p.py).
+        p2p_buffer_bytes: The most bytes of such held messages per peer.
+        p2p_max_messages: The most messages per peer held or waiting with no recv posted;
+            one more breaks the group.
 
     >>> group = await Group.create(FileStore("/tmp/rdv"), rank, 4)  # doctest: +SKIP
     >>> await group.all_reduce(grads)            # summed over the 4 ranks, in place  # doctest: +SKIP
@@ -109,7 +120,9 @@ class Group:
     """
 
     def __init__(self, rank: int, world_size: int, *, timeout: float = 300.0,
-                 segment_bytes: int = 8 << 20, window: int = 2, thread_bytes: int | None = None) -> None:
+                 segment_bytes: int = 8 << 20, window: int = 2, thread_bytes: int | None = None,
+                 p2p_eager_bytes: int = p2p_mod.EAGER_BYTES, p2p_buffer_bytes: int = p2p_mod.BUFFER_BYTES,
+                 p2p_max_messages: int = p2p_mod.MAX_MESSAGES) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -122,6 +135,13 @@ class Group:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
         if thread_bytes is not None and (not isinstance(thread_bytes, int) or thread_bytes < 0):
             raise ValueError(f"thread_bytes must be None or an int >= 0, got {thread_bytes!r}")
+        for name, value in (("p2p_eager_bytes", p2p_eager_bytes), ("p2p_buffer_bytes", p2p_buffer_bytes),
+                            ("p2p_max_messages", p2p_max_messages)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self._p2p_options = {"eager_bytes": p2p_eager_bytes, "buffer_bytes": p2p_buffer_bytes,
+                             "max_messages": p2p_max_messages}
+        self.p2p: p2p_mod.P2P | None = None
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
@@ -159,6 +179,7 @@ class Group:
 
     async def _start(self, store: Any, host: str, prefix: str) -> None:
         self._loop = loop = asyncio.get_running_loop()
+        self.p2p = p2p_mod.P2P(self, **self._p2p_options)
         segment_max = self.segment_bytes * 2 + (1 << 16)  # float32 pieces of a half-precision tensor
         self._server = Server(ServerOptions(max_body_size=max(segment_max, 64 << 20)))
         self._server.add_service(_CollectiveServicer(self))
@@ -270,6 +291,87 @@ class Group:
         """Done once every rank has called barrier."""
         return self._enqueue(ops.Barrier(self.rank, self.world_size, 1))
 
+    # -- point-to-point and the collectives built on it ----------------------------------------
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> asyncio.Future[None]:
+        """Send `tensor` (any dtype, C-contiguous) to rank `dst`; matched by the recv of `dst`
+        from this rank with the same `tag`, in the order sent. Done once `dst` has it in place
+        or holds it (small messages are held until their recv is posted)."""
+        self._check_started()
+        return self.p2p.send(tensor, dst, _tag(tag))
+
+    def recv(self, tensor: Any, src: int | None = None, tag: int = 0) -> asyncio.Future[int]:
+        """Receive into `tensor` the next message from rank `src` (None: from any rank) on
+        `tag`; its dtype and element count must be the sender's. Gives the source rank."""
+        self._check_started()
+        return self.p2p.recv(tensor, src, _tag(tag))
+
+    def gather(self, tensor: Any, outs: list | None, root: int = 0) -> asyncio.Future[None]:
+        """Every rank's `tensor` into `outs[rank]` on `root` (`outs` is ignored elsewhere)."""
+        self._check_root(root)
+        if self.rank == root and (outs is None or len(outs) != self.world_size):
+            raise ValueError(f"gather on its root needs a list of {self.world_size} output tensors")
+        return self._enqueue_exchange("gather", lambda seq: gather(self, seq, tensor, outs, root))
+
+    def scatter(self, out: Any, ins: list | None, root: int = 0) -> asyncio.Future[None]:
+        """`ins[rank]` of `root` into `out` on every rank (`ins` is ignored off the root)."""
+        self._check_root(root)
+        if self.rank == root and (ins is None or len(ins) != self.world_size):
+            raise ValueError(f"scatter on its root needs a list of {self.world_size} input tensors")
+        return self._enqueue_exchange("scatter", lambda seq: scatter(self, seq, out, ins, root))
+
+    def all_to_all(self, outs: list, ins: list) -> asyncio.Future[None]:
+        """`ins[j]` of every rank i into `outs[i]` of rank j; sizes may differ per pair."""
+        if len(outs) != self.world_size or len(ins) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} input and output tensors, got "
+                             f"{len(ins)} and {len(outs)}")
+        return self._enqueue_exchange("all_to_all", lambda seq: all_to_all(self, seq, outs, ins))
+
+    def _check_root(self, root: Any) -> None:
+        if not isinstance(root, int) or not 0 <= root < self.world_size:
+            raise ValueError(f"root must be a rank in 0..{self.world_size - 1}, got {root!r}")
+
+    def _check_started(self) -> None:
+        if self._loop is None:
+            raise RuntimeError("the group is not started: make it with `await Group.create(...)`")
+
+    def _enqueue_exchange(self, name: str, run) -> asyncio.Future:
+        """A collective made of messages: numbered and run in turn like the ring collectives,
+        its messages keyed by its number."""
+        self._check_started()
+        if self._broken is not None:
+            raise self._broken
+        seq = self._next_seq
+        self._next_seq += 1
+        prev, self._tail = self._tail, self._loop.create_future()
+        return self._loop.create_task(self._run_exchange(name, seq, run, prev, self._tail))
+
+    async def _run_exchange(self, name: str, seq: int, run, prev: asyncio.Future | None,
+                            done: asyncio.Future) -> None:
+        try:
+            if prev is not None:
+                await asyncio.shield(prev)
+            if self._broken is not None:
+                raise self._broken
+            self.ops_started = seq
+            waiter = self._waiters.pop(seq, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(CollectiveError(
+                    f"collective #{seq} differs between ranks: rank {self.rank} runs {name}, a ring "
+                    f"collective came; every rank must call the same collectives in the same order"))
+            await run(seq)
+            self.ops_finished = seq
+        finally:
+            self.p2p.forget_collective(seq)
+            done.set_result(None)
+
+    async def _status_of(self, rank: int) -> Any:
+        """Rank `rank`'s StatusResponse, or the RpcError of asking."""
+        cntl = Controller(timeout_ms=max(1, int(_probe_time(self.timeout) * 800)))
+        try:
+            return await self._stub(rank).Status(pb.StatusRequest(group=self.id), cntl)
+        except RpcError as e:
+            return e
+
     def _elems(self, raw: np.ndarray, wide: bool) -> int:
         return max(1, self.segment_bytes // (max(raw.itemsize, 4) if wide else raw.itemsize))
 
@@ -377,6 +479,8 @@ class Group:
         except asyncio.TimeoutError:
             return CollectiveTimeout(f"rank {self.rank} did not start collective #{seq} within "
                                      f"{self.timeout:g} s", (self.rank,))
+        if isinstance(flight, CollectiveError):
+            return flight
         return flight if flight is not None else self._broken
 
     async def segment_received(self, req: pb.SegmentRequest, flight: _Flight, attachment: Any) -> pb.Ack:
@@ -425,6 +529,8 @@ class Group:
             if not waiter.done():
                 waiter.set_result(None)  # the handler waiting reads the error from the group
         self._waiters.clear()
+        if self.p2p is not None:
+            self.p2p.fail_all(err)
         if tell_peers and self.addresses:
             seq = cur.seq if cur is not None else self.ops_started
             for r in range(self.world_size):
@@ -494,6 +600,8 @@ class _CollectiveServicer(Servicer):
         """A segment that is only copied into the tensor (all-gather steps, broadcast) is
         received straight into its place."""
         g = self.group
+        if method == "Send":
+            return g.p2p.destination(req, attachment_size)
         flight = g._current
         if (method != "Segment" or flight is None or g._broken is not None or req.group != g.id
                 or req.op != flight.seq):
@@ -515,6 +623,9 @@ class _CollectiveServicer(Servicer):
         if isinstance(flight, CollectiveError):
             return _refusal(flight)
         return await g.segment_received(req, flight, cntl.request_attachment)
+
+    async def Send(self, req: pb.SendRequest, cntl: Controller) -> pb.Ack:
+        return await self.group.p2p.received(req, cntl.request_attachment)
 
     async def Abort(self, req: pb.AbortRequest, cntl: Controller) -> pb.Ack:
         if req.group == self.group.id:
@@ -556,6 +667,12 @@ def _host(address: str) -> str:
 def _probe_time(timeout: float) -> float:
     """Seconds before the timeout when a collective starts asking the ranks for their state."""
     return min(CONTROL_TIMEOUT_S, timeout / 4)
+
+
+def _tag(tag: Any) -> int:
+    if not isinstance(tag, (int, np.integer)) or not -(1 << 63) <= tag < (1 << 63):
+        raise ValueError(f"tag must be a 64-bit int, got {tag!r}")
+    return int(tag)
 
 
 def _text(value: Any) -> str:

@@ -22,15 +22,22 @@ class ReduceOp(enum.Enum):
     AVG = "avg"
     MAX = "max"
     MIN = "min"
+    PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
-_FUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}
+_FUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum,
+          ReduceOp.PRODUCT: np.multiply, ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+          ReduceOp.BXOR: np.bitwise_xor}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 _HALF = (DataType.DT_FLOAT16, DataType.DT_BFLOAT16)
 _FLOATS = (DataType.DT_FLOAT64, DataType.DT_FLOAT32, *_HALF)
 
 
 def reduce_op(op: ReduceOp | str) -> ReduceOp:
-    """`op` as a ReduceOp; "sum", "avg", "max", "min" (any case) are accepted."""
+    """`op` as a ReduceOp; "sum", "avg", "max", "min", "product", "band", "bor", "bxor" (any case) are accepted."""
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str):
@@ -45,6 +52,8 @@ def check_op(op: ReduceOp, code: int) -> None:
     """ValueError when `op` cannot apply to tensors of DataType `code`."""
     if op is ReduceOp.AVG and code not in _FLOATS:
         raise ValueError("ReduceOp.AVG needs a floating-point tensor (an integer average would be truncated)")
+    if op in _BITWISE and code in _FLOATS:
+        raise ValueError(f"ReduceOp.{op.name} needs an integer or bool tensor")
 
 
 def accumulates_wide(code: int) -> bool:

@@ -98,6 +98,18 @@ class GroupThread:
         """`Group.barrier`, waited for."""
         self.submit(self.group.barrier).result()
 
+    def send(self, tensor: Any, dst: int, tag: int = 0) -> None:
+        """`Group.send`, waited for."""
+        self.submit(self.group.send, tensor, dst, tag).result()
+
+    def recv(self, tensor: Any, src: int | None = None, tag: int = 0) -> int:
+        """`Group.recv`, waited for: the source rank."""
+        return self.submit(self.group.recv, tensor, src, tag).result()
+
+    def all_to_all(self, outs: list, ins: list) -> None:
+        """`Group.all_to_all`, waited for."""
+        self.submit(self.group.all_to_all, outs, ins).result()
+
     def close(self) -> None:
         """Close the group, stop the loop and join the thread."""
         atexit.unregister(self.close)

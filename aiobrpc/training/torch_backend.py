@@ -1,9 +1,16 @@
-"""torch.distributed backend "aiobrpc": DistributedDataParallel on CPU over aiobrpc's ring.
+"""torch.distributed backend "aiobrpc": DDP, FSDP2, pipelines and meshes on CPU over aiobrpc.
 
 Importing this module registers the backend; then `dist.init_process_group("aiobrpc")` works
-under torchrun unchanged (the ranks meet through the store torch hands the backend). It
-implements what DDP uses on CPU (broadcast, allreduce, allgather, barrier) plus
-reduce_scatter, each returning a `Work` whose future completes on the group's loop thread.
+under torchrun unchanged (the ranks meet through the store torch hands the backend). Every
+operation returns a `Work` whose future completes on the group's loop thread:
+- ring collectives: allreduce (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR), broadcast,
+  allgather, reduce_scatter, their `*_single` / `_base` / coalesced forms, reduce, barrier;
+- point-to-point: send, recv, recv_anysource (so isend/irecv and batch_isend_irecv), any dtype;
+- made of messages: gather, scatter, alltoall, all_to_all_single with uneven splits; the
+  object collectives run through these;
+- groups: the creator takes torch's extended API, so each group knows its name (`group_name`),
+  which `new_group`, `new_subgroups`, `DeviceMesh` and FSDP2 need.
+docs/training.md has the table of what it supports against gloo.
 
 >>> import aiobrpc.training.torch_backend  # doctest: +SKIP
 >>> dist.init_process_group("aiobrpc")  # doctest: +SKIP
@@ -30,14 +37,20 @@ from .thread import GroupThread
 BACKEND_NAME = "aiobrpc"
 
 _OPS = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVG, dist.ReduceOp.MAX: ReduceOp.MAX,
-        dist.ReduceOp.MIN: ReduceOp.MIN}
+        dist.ReduceOp.MIN: ReduceOp.MIN, dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT, dist.ReduceOp.BAND: ReduceOp.BAND,
+        dist.ReduceOp.BOR: ReduceOp.BOR, dist.ReduceOp.BXOR: ReduceOp.BXOR}
 
 
-def _reduce_op(torch_op: Any) -> ReduceOp:
+def _reduce_op(torch_op: Any, tensors: list[torch.Tensor] = ()) -> ReduceOp:
     for key, op in _OPS.items():
         if torch_op == key:
+            for t in tensors:
+                if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and (t.is_floating_point() or t.is_complex()):
+                    raise ValueError(f"ReduceOp.{op.name} needs integer or bool tensors, got {t.dtype}")
+                if op is ReduceOp.AVG and not t.is_floating_point():
+                    raise ValueError(f"ReduceOp.AVG needs floating-point tensors, got {t.dtype}")
             return op
-    raise ValueError(f"the aiobrpc backend supports SUM, AVG, MAX and MIN, not {torch_op}")
+    raise ValueError(f"the aiobrpc backend supports SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR and BXOR, not {torch_op}")
 
 
 class AiobrpcWork(dist.Work):
@@ -74,32 +87,79 @@ class AiobrpcWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def _source_rank(self) -> int:
+        """The group rank a recv got its message from (recv from any source)."""
+        values = self._cf.result()  # what the group's calls gave: a recv gives its source
+        return int(values[-1]) if values else -1
+
+    source_rank = _source_rank
+
+
+class _BackendInfo:
+    """What torch asks of a group's per-device backend (`pg._get_backend(device)`): FSDP2 asks
+    whether it allocates tensors itself (no)."""
+
+    supports_coalescing = False
+    supports_splitting = False
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
 
 class AiobrpcProcessGroup(dist.ProcessGroup):
-    """A torch ProcessGroup whose collectives run on an aiobrpc `Group` in a loop thread.
+    """A torch ProcessGroup whose operations run on an aiobrpc `Group` in a loop thread.
 
     Args:
         store: torch's store for this group (rendezvous).
         rank, world_size: as torch gives them.
-        timeout: seconds (or a timedelta) a collective may take.
-        options: more `Group` options (segment_bytes, window, host).
+        timeout: seconds (or a timedelta) an operation may take.
+        group_name: torch's name of the group (DeviceMesh and the functional collectives find
+            groups by it); torch sets it when it makes the group.
+        options: more `Group` options (segment_bytes, window, host, p2p_buffer_bytes ...).
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: Any = 300.0, **options: Any) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: Any = 300.0, group_name: str = "",
+                 **options: Any) -> None:
         super().__init__(rank, world_size)
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
+        self._group_name = group_name
+        self._group_desc = ""
+        self._coalesced: list[AiobrpcWork] | None = None
         self.threaded = GroupThread(store, rank, world_size, timeout=timeout, **options)
         self.group = self.threaded.group
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def _get_backend(self, device: Any) -> _BackendInfo:
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(f"the aiobrpc backend runs on cpu, not {device}")
+        return _BackendInfo()
+
     def __repr__(self) -> str:
-        return f"AiobrpcProcessGroup(rank={self.rank()}, world_size={self.size()})"
+        return f"AiobrpcProcessGroup(rank={self.rank()}, world_size={self.size()}, name={self._group_name!r})"
 
     def _work(self, result: Any, calls: list[tuple], after: Any = None) -> AiobrpcWork:
-        """Start `calls` ((fn, *args) on the group, in this order) as one Work."""
+        """Start `calls` ((fn, *args) on the group, in this order) as one Work; `after(values)`
+        runs on the loop thread with what they gave."""
         def run_all():
             import asyncio
             started = [fn(*args) for fn, *args in calls]
@@ -108,18 +168,40 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
                 values = await asyncio.gather(*started)
                 if after is not None:
                     after(values)
+                return values
             return finish()
-        return AiobrpcWork(self.threaded.submit(run_all), result)
+        work = AiobrpcWork(self.threaded.submit(run_all), result)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
 
+    # -- ring collectives ----------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiobrpcWork:
-        op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors)
         views, copy_back = _contiguous(tensors)
         return self._work(tensors, [(self.group.all_reduce, v, op) for v in views], copy_back)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> AiobrpcWork:
+        return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> AiobrpcWork:
         root = opts.rootRank if opts is not None else 0
         views, copy_back = _contiguous(tensors)
         return self._work(tensors, [(self.group.broadcast, v, root) for v in views], copy_back)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> AiobrpcWork:
+        """All-reduce of a copy; the root keeps the result (gloo leaves the others' tensors
+        unspecified, here they are unchanged)."""
+        op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, tensors)
+        root = opts.rootRank if opts is not None else 0
+        self._check_rank(root, "root")
+        copies = [t.contiguous().clone() for t in tensors]
+
+        def keep(_values: Any) -> None:
+            if self.rank() == root:
+                for t, c in zip(tensors, copies):
+                    t.copy_(c)
+        return self._work(tensors, [(self.group.all_reduce, c, op) for c in copies], keep)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> AiobrpcWork:
@@ -134,33 +216,161 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
         return self._work(output_tensors, [(self.group.all_gather, t, g) for t, g in zip(inputs, gathered)],
                           scatter_out)
 
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                            opts: Any = None) -> AiobrpcWork:
+        return self.allgather(output_lists, input_tensors, opts)
+
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiobrpcWork:
+        if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
+            raise ValueError(f"all_gather_into_tensor needs an output of {self.size()} x {input.numel()} "
+                             f"{input.dtype}, got {output.numel()} {output.dtype}")
         if output.is_contiguous() and input.is_contiguous():
             return self._work(output, [(self.group.all_gather, input, output)])
-        return self.allgather([list(output.chunk(self.size()))], [input], opts)
+        return self.allgather([list(output.reshape(-1).chunk(self.size()))], [input.reshape(-1)], opts)
 
     _allgather_base = all_gather_single
 
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> AiobrpcWork:
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._all_of(outputs, works)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> AiobrpcWork:
-        op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, output_tensors)
         for out, ins in zip(output_tensors, input_tensors):
-            if any(t.numel() != out.numel() for t in ins):
-                raise ValueError("reduce_scatter over aiobrpc needs input tensors of the output's size")
+            if len(ins) != self.size() or any(t.numel() != out.numel() for t in ins):
+                raise ValueError(f"reduce_scatter needs {self.size()} input tensors of the output's size")
         flat = [torch.cat([t.reshape(-1) for t in ins]) for ins in input_tensors]
 
         def store(values: list) -> None:
             for out, part in zip(output_tensors, values):
-                out.reshape(-1).copy_(_from_numpy(part, out.dtype))
+                out.reshape(-1).copy_(_from_numpy(part, out.dtype)) if out.is_contiguous() else \
+                    out.copy_(_from_numpy(part, out.dtype).reshape(out.shape))
         return self._work(output_tensors, [(self.group.reduce_scatter, f, op) for f in flat], store)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiobrpcWork:
-        return self.reduce_scatter([output], [list(input.chunk(self.size()))], opts)
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(f"reduce_scatter_tensor needs an input of {self.size()} x {output.numel()} "
+                             f"elements, got {input.numel()}")
+        return self.reduce_scatter([output], [list(input.reshape(-1).chunk(self.size()))], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> AiobrpcWork:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._all_of(outputs, works)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
     def barrier(self, opts: Any = None) -> AiobrpcWork:
         return self._work([], [(self.group.barrier,)])
+
+    # -- point-to-point ------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> AiobrpcWork:
+        self._check_rank(dst, "dst")
+        views = [t.contiguous() for t in tensors]
+        return self._work(tensors, [(self.group.send, v, dst, tag) for v in views])
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> AiobrpcWork:
+        self._check_rank(src, "src")
+        return self._recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> AiobrpcWork:
+        return self._recv(tensors, None, tag)
+
+    def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> AiobrpcWork:
+        views, copy_back = _contiguous(tensors)
+        return self._work(tensors, [(self.group.recv, v, src, tag) for v in views], copy_back)
+
+    # -- collectives made of messages ----------------------------------------------------------
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> AiobrpcWork:
+        root = opts.rootRank if opts is not None else 0
+        self._check_rank(root, "root")
+        (tensor,) = input_tensors
+        outs = None
+        copy_back = None
+        if self.rank() == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
+                raise ValueError(f"gather on its root needs a list of {self.size()} tensors")
+            _same(output_tensors[0], tensor, "gather_list")
+            outs, copy_back = _contiguous(output_tensors[0])
+        return self._work(output_tensors, [(self.group.gather, tensor.contiguous(), outs, root)], copy_back)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> AiobrpcWork:
+        root = opts.rootRank if opts is not None else 0
+        self._check_rank(root, "root")
+        (out,) = output_tensors
+        ins = None
+        if self.rank() == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
+                raise ValueError(f"scatter on its root needs a list of {self.size()} tensors")
+            _same(input_tensors[0], out, "scatter_list")
+            ins = [t.contiguous() for t in input_tensors[0]]
+        (view,), copy_back = _contiguous([out])
+        return self._work(output_tensors, [(self.group.scatter, view, ins, root)], copy_back)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> AiobrpcWork:
+        world = self.size()
+        if len(output_tensors) != world or len(input_tensors) != world:
+            raise ValueError(f"all_to_all needs {world} input and {world} output tensors, got "
+                             f"{len(input_tensors)} and {len(output_tensors)}")
+        dtypes = {t.dtype for t in (*output_tensors, *input_tensors)}
+        if len(dtypes) > 1:
+            raise ValueError(f"all_to_all needs tensors of one dtype, got {sorted(map(str, dtypes))}")
+        outs, copy_back = _contiguous(output_tensors)
+        ins = [t.contiguous() for t in input_tensors]
+        return self._work(output_tensors, [(self.group.all_to_all, outs, ins)], copy_back)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> AiobrpcWork:
+        if output.dtype != input.dtype:
+            raise ValueError(f"all_to_all_single needs one dtype, got {input.dtype} in and {output.dtype} out")
+        world = self.size()
+        ins = _split(input, input_split_sizes, world, "input")
+        out_view = output if output.is_contiguous() else output.contiguous()
+        outs = _split(out_view, output_split_sizes, world, "output")
+        def copy_back(_values: Any) -> None:
+            output.copy_(out_view)
+        return self._work(output, [(self.group.all_to_all, outs, ins)],
+                          copy_back if out_view is not output else None)
+
+    alltoall_base = all_to_all_single
+
+    # -- coalescing (torch's _coalescing_manager with a device) --------------------------------
+    def _start_coalescing(self, device: Any = None) -> None:
+        self._coalesced = []
+
+    def _end_coalescing(self, device: Any = None) -> AiobrpcWork:
+        works, self._coalesced = self._coalesced or [], None
+        return self._all_of([], works)
+
+    def _all_of(self, result: Any, works: list[AiobrpcWork]) -> AiobrpcWork:
+        """One Work done when all of `works` are (the first error wins)."""
+        combined: concurrent.futures.Future = concurrent.futures.Future()
+        left = [len(works)]
+
+        def one(cf: concurrent.futures.Future) -> None:
+            left[0] -= 1
+            if cf.exception() is not None and not combined.done():
+                combined.set_exception(cf.exception())
+            elif left[0] == 0 and not combined.done():
+                combined.set_result(None)
+        if not works:
+            combined.set_result(None)
+        for w in works:
+            w._cf.add_done_callback(one)
+        return AiobrpcWork(combined, result)
+
+    def _check_rank(self, rank: Any, name: str) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.size():
+            raise ValueError(f"{name} must be a rank of the group, 0..{self.size() - 1}, got {rank!r}")
 
     def shutdown(self) -> None:
         self.threaded.close()
@@ -169,6 +379,28 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
         threaded = getattr(self, "threaded", None)
         if threaded is not None:
             threaded.close()
+
+
+def _same(tensors: list[torch.Tensor], like: torch.Tensor, what: str) -> None:
+    for t in tensors:
+        if t.dtype != like.dtype or t.numel() != like.numel():
+            raise ValueError(f"{what} tensors must be {like.numel()} {like.dtype} like the tensor, "
+                             f"got {t.numel()} {t.dtype}")
+
+
+def _split(t: torch.Tensor, sizes: list[int], world: int, what: str) -> list[torch.Tensor]:
+    """`t` cut along dim 0 into `world` contiguous views: `sizes` rows each (equal when empty)."""
+    rows = t.shape[0] if t.dim() else 1
+    if not sizes:
+        if rows % world:
+            raise ValueError(f"all_to_all_single: the {what} has {rows} rows, which {world} ranks cannot split "
+                             f"evenly; pass {what}_split_sizes")
+        sizes = [rows // world] * world
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single: {what}_split_sizes {sizes} must be {world} sizes >= 0 adding up "
+                         f"to the {what}'s {rows} rows")
+    return list((t if t.dim() else t.reshape(1)).split(sizes))
 
 
 def _contiguous(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
@@ -205,8 +437,11 @@ def listen_host() -> str:
     return "127.0.0.1" if local.startswith("127.") else local
 
 
-def _create(store: Any, rank: int, world_size: int, timeout: Any) -> AiobrpcProcessGroup:
-    return AiobrpcProcessGroup(store, rank, world_size, timeout, host=listen_host())
+def _create(common: Any, backend_options: Any = None) -> AiobrpcProcessGroup:
+    """torch's extended creator API: `common` is a `_DistributedBackendOptions` (store, group
+    rank and size, timeout, the group's name)."""
+    return AiobrpcProcessGroup(common.store, common.group_rank, common.group_size, common.timeout,
+                               group_name=str(common.group_id), host=listen_host())
 
 
 def allreduce_hook(state, bucket):  # no annotations: DDP compares them with its own types
@@ -231,7 +466,7 @@ def allreduce_hook(state, bucket):  # no annotations: DDP compares them with its
 def register() -> None:
     """Register the "aiobrpc" backend with torch.distributed (done when this module is imported)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
 
 
 register()

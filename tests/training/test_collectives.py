@@ -65,3 +65,20 @@ def test_a_dead_or_hung_rank_fails_every_other_rank_within_the_timeout(how, loop
         else:  # found at once: the left neighbour's call broke, and it told the others
             assert report["after_s"] < 1.0 and report["ranks"] == [1], report
     assert elapsed < timeout + 10
+
+
+def test_a_rank_killed_mid_exchange_fails_the_others_pending_send_recv_and_all_to_all(tmp_path):
+    timeout = 2.5
+    procs = start_ranks("p2p_loop", 3, str(tmp_path), child_env("uvloop", AIOBRPC_TEST_TIMEOUT=str(timeout)))
+    try:
+        _wait_ready(procs)
+        time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        results = finish([procs[0], procs[2]], timeout=timeout + 20)
+    finally:
+        finish([procs[1]], timeout=5)
+    for rank, (rc, out, err) in zip((0, 2), results):
+        assert rc == 0, f"rank {rank}: {out}\n{err}"
+        report = json.loads(out.strip().splitlines()[-1])
+        assert 1 in report["ranks"] and "rank 1" in report["error"], report
+        assert report["after_s"] <= timeout + 0.5, report

@@ -90,12 +90,17 @@ def inputs(n: int, numel: int, dtype: str) -> list[np.ndarray]:
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("op", list(R.ReduceOp))
 def test_all_reduce_equals_numpy_and_is_identical_on_every_rank(n, numel, op):
-    dtype = "int32" if op in (R.ReduceOp.MAX, R.ReduceOp.MIN) and numel % 2 else "float64"
+    bitwise = op in (R.ReduceOp.BAND, R.ReduceOp.BOR, R.ReduceOp.BXOR)
+    dtype = "int32" if bitwise or op in (R.ReduceOp.MAX, R.ReduceOp.MIN) and numel % 2 else "float64"
     xs = inputs(n, numel, dtype)
+    if op is R.ReduceOp.PRODUCT:
+        xs = [x / 1000 for x in xs]
     ys = [x.copy() for x in xs]
     drive([ops.AllReduce(r, n, *raw_array(ys[r]), op, 3) for r in range(n)])
     want = {R.ReduceOp.SUM: np.sum, R.ReduceOp.AVG: np.mean, R.ReduceOp.MAX: np.max,
-            R.ReduceOp.MIN: np.min}[op](np.stack(xs), axis=0) if numel else np.zeros(0)
+            R.ReduceOp.MIN: np.min, R.ReduceOp.PRODUCT: np.prod, R.ReduceOp.BAND: np.bitwise_and.reduce,
+            R.ReduceOp.BOR: np.bitwise_or.reduce,
+            R.ReduceOp.BXOR: np.bitwise_xor.reduce}[op](np.stack(xs), axis=0) if numel else np.zeros(0)
     for y in ys:
         np.testing.assert_allclose(y, want, rtol=1e-12)
         assert y.tobytes() == ys[0].tobytes()

@@ -5,7 +5,8 @@ reduce thread).
 
 check: every collective against numpy, over sizes that do not divide evenly; prints "ok".
 loop: all_reduce until one fails; prints {"error": ..., "ranks": [...], "after_s": ...} (the
-test kills or stops one rank meanwhile).
+test kills or stops one rank meanwhile). p2p_loop: the same with send/recv around the ring and
+all_to_all.
 """
 
 import asyncio
@@ -108,13 +109,38 @@ def fail_loop(g: GroupThread) -> None:
             assert str(again) == str(e), "a broken group raises its error again"
 
 
+def fail_p2p_loop(g: GroupThread) -> None:
+    """Send around the ring and all_to_all, until that fails (the test kills a rank)."""
+    rank, world = g.rank, g.world_size
+    right, left = (rank + 1) % world, (rank - 1) % world
+    x, y = np.ones(100_000, np.float32), np.zeros(100_000, np.float32)
+    ins = [np.full(20_000, rank, np.int64) for _ in range(world)]
+    outs = [np.zeros(20_000, np.int64) for _ in range(world)]
+
+    def once() -> None:
+        got = g.submit(g.group.recv, y, left)
+        g.submit(g.group.send, x, right).result()
+        got.result()
+        g.submit(g.group.all_to_all, outs, ins).result()
+    once()
+    print("ready", flush=True)
+    start = time.monotonic()
+    try:
+        while True:
+            start = time.monotonic()
+            once()
+    except CollectiveError as e:
+        print(json.dumps({"error": str(e), "ranks": list(e.ranks), "after_s": time.monotonic() - start,
+                          "type": type(e).__name__}), flush=True)
+
+
 def main() -> None:
     scenario, rank, world, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     timeout = float(os.environ.get("AIOBRPC_TEST_TIMEOUT", "30"))
     thread_bytes = int(os.environ.get("AIOBRPC_TEST_THREAD_BYTES", 256 << 10))
     with GroupThread(FileStore(path, timeout=30), rank, world, timeout=timeout, segment_bytes=4096,
                      thread_bytes=thread_bytes, loop_factory=loop_factory) as g:
-        {"check": check, "loop": fail_loop}[scenario](g)
+        {"check": check, "loop": fail_loop, "p2p_loop": fail_p2p_loop}[scenario](g)
     if scenario == "check":  # and with the default segments, large enough to be placed
         with GroupThread(FileStore(path, timeout=30), rank, world, timeout=timeout, prefix="big",
                          thread_bytes=thread_bytes, loop_factory=loop_factory) as g:
