@@ -7,9 +7,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from . import _compiled
 
 _compiled.install()  # first: AIOBRPC_NO_EXTENSIONS=1 must load the pure sources
+
+# A library leaves its log's output to the application: without this, a program that set no
+# logging up would get every WARNING on stderr from Python's last-resort handler.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 from . import errors
 from .client.backup import BackupRequestPolicy, LatencyQuantileBackupPolicy, RateLimitedBackupPolicy

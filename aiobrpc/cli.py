@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -33,6 +32,7 @@ from ._proto import echo_pb2
 from .client import lb
 from .client.channel import Channel
 from .client.naming import is_naming_url
+from .client.naming.list import ListNamingService
 from .controller import Controller
 from .errors import RpcError, describe
 from .options import ChannelOptions, ServerOptions
@@ -231,7 +231,6 @@ def cmd_demo(args) -> int:
 
 
 # -- call ------------------------------------------------------------------------------------
-_RETRY = re.compile(r" \[R(\d+)\](?=\[E-?\d+\])")  # brpc's " [R<n>][E<code>]" before each retry's error
 
 
 def cmd_call(args) -> int:
@@ -290,6 +289,8 @@ def _channel(address: str, lb_name: str | None, options: ChannelOptions | None =
     if lb_name is not None and not naming:
         raise UsageError(f"--lb needs a naming service ADDR like 'list://host:port,...', got {address!r}")
     try:
+        if address.startswith("list://") and not ListNamingService(address).servers:
+            raise ValueError(f"{address!r} lists no server: give one or more, e.g. 'list://127.0.0.1:8000,127.0.0.1:8001'")
         return Channel(address, options, load_balancer=(lb_name or "rr") if naming else None)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
@@ -310,23 +311,17 @@ def _print_attempts(cntl: Controller) -> None:
 
 
 def _one_line(e: RpcError) -> str:
-    """`[E<code>]<text>` in one line, a run of retries that failed alike told once.
+    """`[E<code>]<text>` in one line (the code once where the text starts with it). The
+    channel already tells retries that failed alike once (client/retry.retried_error_text).
 
-    >>> _one_line(RpcError(112, "[E111]refused [R1][E112]down [R2][E112]down"))
+    >>> _one_line(RpcError(112, "[E111]refused [R1-R2][E112]down"))
     '[E112][E111]refused [R1-R2][E112]down'
+    >>> _one_line(RpcError(61, "[E61]no server [R1-R3] same"))
+    '[E61]no server [R1-R3] same'
     """
-    parts = _RETRY.split(" ".join(e.text.split()))
-    out = [f"[E{e.code}]{parts[0]}"]
-    runs: list[list] = []  # [first retry, last retry, text]
-    for i in range(1, len(parts), 2):
-        n, text = int(parts[i]), parts[i + 1]
-        if runs and runs[-1][2] == text and runs[-1][1] == n - 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n, text])
-    for first, last, text in runs:
-        out.append(f" [R{first}]{text}" if first == last else f" [R{first}-R{last}]{text}")
-    return "".join(out)
+    text = " ".join(e.text.split())
+    code = f"[E{e.code}]"
+    return text if text.startswith(code) else code + text
 
 
 # -- serving ---------------------------------------------------------------------------------

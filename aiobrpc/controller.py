@@ -141,7 +141,8 @@ class Controller:
         failed (bool): Whether the call failed (`error_code != 0`).
         error_code (int): The brpc error code of a failed call (0: none); see `aiobrpc.errors`.
         error_text (str): What went wrong; with retries, brpc's form
-            `[E<first>]<text> [R1][E<code>]<text> ...`.
+            `[E<first>]<text> [R1][E<code>]<text> ...`, retries that failed alike told once
+            (`[R1-R3][E<code>]<text>`, `[R1-R3] same`; docs/client_resilience.md).
         latency_us (int): Client: the call's duration in microseconds, every attempt included.
         remote_side (str): "ip:port" of the peer: the server of the attempt that ended the call,
             or the client of the request.

@@ -3,7 +3,8 @@
     python examples/echo_client.py 127.0.0.1:8000 --message hi
 
 Prints the response, the attachment's size and the latency; on failure prints brpc's error
-(such as `[E111]Fail to connect ...` when nothing listens there) and exits with status 1.
+(such as `[E111]Fail to connect ...` when nothing listens there) and exits with status 1; a
+malformed address is told in one line, with status 2.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from aiobrpc._proto import echo_pb2  # example.EchoService, from proto/echo.prot
 
 
 async def main(address: str, message: str) -> int:
-    async with aiobrpc.Channel(address, aiobrpc.ChannelOptions(timeout_ms=500, max_retry=0)) as channel:
+    try:
+        channel = aiobrpc.Channel(address, aiobrpc.ChannelOptions(timeout_ms=500, max_retry=0))
+    except ValueError as e:  # not an address a Channel takes
+        print(f"bad address: {e}", file=sys.stderr)
+        return 2
+    async with channel:
         stub = aiobrpc.Stub(channel, echo_pb2.DESCRIPTOR.services_by_name["EchoService"])
         cntl = aiobrpc.Controller(log_id=7)
         cntl.request_attachment = b"x" * 1024  # any buffer: bytes, memoryview, a numpy array

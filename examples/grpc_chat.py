@@ -17,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import grpc
+try:
+    import grpc  # grpcio, the gRPC client this example calls the server with
+except ModuleNotFoundError:
+    sys.exit("grpcio is not installed: pip install grpcio")
 
 import aiobrpc
 

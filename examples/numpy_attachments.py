@@ -17,8 +17,12 @@ user fields (a field of the request message works as well). The server doubles t
 from __future__ import annotations
 
 import asyncio
+import sys
 
-import numpy as np
+try:
+    import numpy as np
+except ModuleNotFoundError:
+    sys.exit("numpy is not installed: pip install numpy")
 
 import aiobrpc
 from aiobrpc._proto import echo_pb2  # example.EchoService, from proto/echo.proto

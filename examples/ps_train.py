@@ -16,7 +16,10 @@ import re
 import subprocess
 import sys
 
-import numpy as np
+try:
+    import numpy as np
+except ModuleNotFoundError:
+    sys.exit("numpy is not installed: pip install numpy")
 
 DIM, CATEGORIES, BATCH = 8, 16, 64
 TRUE_W = (np.arange(DIM, dtype=np.float32) - 3) / 4

@@ -256,6 +256,10 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.world, args.steps, args.shards = 2, 20, 1
+    try:
+        import torch  # noqa: F401  each rank imports it (forked: already loaded)
+    except ModuleNotFoundError:
+        sys.exit("torch is not installed: pip install torch (the 'train' extra pins it for Python 3.11)")
 
     with tempfile.TemporaryDirectory(prefix="train_three_ways-") as workdir:
         results = train(args, workdir)

@@ -114,6 +114,26 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 0
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
+def pytest_configure(config):
+    # Both processes end with pytest's summary line ("12 passed in 3.0s"): each says its twin on
+    # the line itself ("compiled twin: 12 passed in 3.0s", "pure-Python twin: ...").
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    label = "compiled twin" if _fast.IMPLEMENTATION == "cython" else "pure-Python twin"
+    build = reporter.build_summary_stats_line
+
+    def labelled_summary_stats_line():
+        parts, color = build()
+        if parts:
+            (text, markup), *rest = parts
+            parts = [(f"{label}: {text}", markup), *rest]
+        return parts, color
+
+    reporter.build_summary_stats_line = labelled_summary_stats_line
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     run = config.stash.get(_PURE_RUN, None)
     if run is None or not isinstance(run[0], int):

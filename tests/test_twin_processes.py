@@ -5,6 +5,7 @@ fails the run. Run by the parent process only (the conftest deselects them in th
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,21 @@ def test_the_suite_runs_the_pure_twin_in_a_second_process():
     assert "pure-Python twin (AIOBRPC_NO_EXTENSIONS=1, second process): exit 0" in r.stdout
 
 
+def test_each_summary_line_names_its_twin():
+    lines = _pytest("").stdout.splitlines()
+    summaries = [line for line in lines if re.search(r"\d+ passed in ", line)]
+    assert len(summaries) == 2, lines
+    assert re.fullmatch(r"pure-Python twin: 1 passed in \S+", summaries[0]), summaries  # the child's, printed first
+    assert re.fullmatch(r"compiled twin: 1 passed in \S+", summaries[1]), summaries
+
+
 @pytest.mark.parametrize("fail", ["compiled", "pure"])
 def test_a_failure_in_either_twin_fails_the_run(fail):
     r = _pytest(fail)
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stdout.count("1 failed") == 1 and r.stdout.count("1 passed") == 1, r.stdout
+    passed, failed = ("pure-Python", "compiled") if fail == "compiled" else ("compiled", "pure-Python")
+    assert f"{failed} twin: 1 failed" in r.stdout and f"{passed} twin: 1 passed" in r.stdout, r.stdout
 
 
 def test_a_selection_run_once_in_the_child_passes_as_the_child_does():

@@ -26,7 +26,7 @@ class EchoServiceStub:
     async def Echo(self, request: echo_pb2.EchoRequest,
                    cntl: aiobrpc.Controller | None = None) -> echo_pb2.EchoResponse:
         if type(request) is not echo_pb2.EchoRequest and not isinstance(request, echo_pb2.EchoRequest):
-            raise TypeError(f"example.EchoService.Echo takes a example.EchoRequest, got {type(request).__name__}")
+            raise TypeError(f"example.EchoService.Echo takes a request of type example.EchoRequest, got {type(request).__name__}")
         response: echo_pb2.EchoResponse = await self.channel.call_method(
             "example.EchoService", "Echo", request, echo_pb2.EchoResponse, cntl)
         return response
@@ -46,7 +46,7 @@ class EchoServiceSyncStub:
     def Echo(self, request: echo_pb2.EchoRequest,
              cntl: aiobrpc.Controller | None = None) -> echo_pb2.EchoResponse:
         if type(request) is not echo_pb2.EchoRequest and not isinstance(request, echo_pb2.EchoRequest):
-            raise TypeError(f"example.EchoService.Echo takes a example.EchoRequest, got {type(request).__name__}")
+            raise TypeError(f"example.EchoService.Echo takes a request of type example.EchoRequest, got {type(request).__name__}")
         response: echo_pb2.EchoResponse = self.channel.call_method(
             "example.EchoService", "Echo", request, echo_pb2.EchoResponse, cntl)
         return response

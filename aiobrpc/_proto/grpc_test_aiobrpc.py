@@ -26,7 +26,7 @@ class GrpcTestServiceStub:
     async def Unary(self, request: grpc_test_pb2.GrpcMessage,
                     cntl: aiobrpc.Controller | None = None) -> grpc_test_pb2.GrpcMessage:
         if type(request) is not grpc_test_pb2.GrpcMessage and not isinstance(request, grpc_test_pb2.GrpcMessage):
-            raise TypeError(f"aiobrpc.test.GrpcTestService.Unary takes a aiobrpc.test.GrpcMessage, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.test.GrpcTestService.Unary takes a request of type aiobrpc.test.GrpcMessage, got {type(request).__name__}")
         response: grpc_test_pb2.GrpcMessage = await self.channel.call_method(
             "aiobrpc.test.GrpcTestService", "Unary", request, grpc_test_pb2.GrpcMessage, cntl)
         return response
@@ -70,7 +70,7 @@ class GrpcTestServiceSyncStub:
     def Unary(self, request: grpc_test_pb2.GrpcMessage,
               cntl: aiobrpc.Controller | None = None) -> grpc_test_pb2.GrpcMessage:
         if type(request) is not grpc_test_pb2.GrpcMessage and not isinstance(request, grpc_test_pb2.GrpcMessage):
-            raise TypeError(f"aiobrpc.test.GrpcTestService.Unary takes a aiobrpc.test.GrpcMessage, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.test.GrpcTestService.Unary takes a request of type aiobrpc.test.GrpcMessage, got {type(request).__name__}")
         response: grpc_test_pb2.GrpcMessage = self.channel.call_method(
             "aiobrpc.test.GrpcTestService", "Unary", request, grpc_test_pb2.GrpcMessage, cntl)
         return response

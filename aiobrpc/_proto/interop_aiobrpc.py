@@ -26,7 +26,7 @@ class EchoServiceStub:
     async def Echo(self, request: interop_pb2.EchoRequest,
                    cntl: aiobrpc.Controller | None = None) -> interop_pb2.EchoResponse:
         if type(request) is not interop_pb2.EchoRequest and not isinstance(request, interop_pb2.EchoRequest):
-            raise TypeError(f"interop.EchoService.Echo takes a interop.EchoRequest, got {type(request).__name__}")
+            raise TypeError(f"interop.EchoService.Echo takes a request of type interop.EchoRequest, got {type(request).__name__}")
         response: interop_pb2.EchoResponse = await self.channel.call_method(
             "interop.EchoService", "Echo", request, interop_pb2.EchoResponse, cntl)
         return response
@@ -35,7 +35,7 @@ class EchoServiceStub:
                           cntl: aiobrpc.Controller | None = None) -> interop_pb2.EchoResponse:
         """Accepts a stream created with the call; every message written to it is written back."""
         if type(request) is not interop_pb2.EchoRequest and not isinstance(request, interop_pb2.EchoRequest):
-            raise TypeError(f"interop.EchoService.StartStream takes a interop.EchoRequest, got {type(request).__name__}")
+            raise TypeError(f"interop.EchoService.StartStream takes a request of type interop.EchoRequest, got {type(request).__name__}")
         response: interop_pb2.EchoResponse = await self.channel.call_method(
             "interop.EchoService", "StartStream", request, interop_pb2.EchoResponse, cntl)
         return response
@@ -55,7 +55,7 @@ class EchoServiceSyncStub:
     def Echo(self, request: interop_pb2.EchoRequest,
              cntl: aiobrpc.Controller | None = None) -> interop_pb2.EchoResponse:
         if type(request) is not interop_pb2.EchoRequest and not isinstance(request, interop_pb2.EchoRequest):
-            raise TypeError(f"interop.EchoService.Echo takes a interop.EchoRequest, got {type(request).__name__}")
+            raise TypeError(f"interop.EchoService.Echo takes a request of type interop.EchoRequest, got {type(request).__name__}")
         response: interop_pb2.EchoResponse = self.channel.call_method(
             "interop.EchoService", "Echo", request, interop_pb2.EchoResponse, cntl)
         return response
@@ -64,7 +64,7 @@ class EchoServiceSyncStub:
                     cntl: aiobrpc.Controller | None = None) -> interop_pb2.EchoResponse:
         """Accepts a stream created with the call; every message written to it is written back."""
         if type(request) is not interop_pb2.EchoRequest and not isinstance(request, interop_pb2.EchoRequest):
-            raise TypeError(f"interop.EchoService.StartStream takes a interop.EchoRequest, got {type(request).__name__}")
+            raise TypeError(f"interop.EchoService.StartStream takes a request of type interop.EchoRequest, got {type(request).__name__}")
         response: interop_pb2.EchoResponse = self.channel.call_method(
             "interop.EchoService", "StartStream", request, interop_pb2.EchoResponse, cntl)
         return response

@@ -26,7 +26,7 @@ class ParameterServerStub:
     async def Init(self, request: ps_pb2.InitRequest,
                    cntl: aiobrpc.Controller | None = None) -> ps_pb2.InitResponse:
         if type(request) is not ps_pb2.InitRequest and not isinstance(request, ps_pb2.InitRequest):
-            raise TypeError(f"aiobrpc.ps.ParameterServer.Init takes a aiobrpc.ps.InitRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.ps.ParameterServer.Init takes a request of type aiobrpc.ps.InitRequest, got {type(request).__name__}")
         response: ps_pb2.InitResponse = await self.channel.call_method(
             "aiobrpc.ps.ParameterServer", "Init", request, ps_pb2.InitResponse, cntl)
         return response
@@ -34,7 +34,7 @@ class ParameterServerStub:
     async def Push(self, request: ps_pb2.PushRequest,
                    cntl: aiobrpc.Controller | None = None) -> ps_pb2.PushResponse:
         if type(request) is not ps_pb2.PushRequest and not isinstance(request, ps_pb2.PushRequest):
-            raise TypeError(f"aiobrpc.ps.ParameterServer.Push takes a aiobrpc.ps.PushRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.ps.ParameterServer.Push takes a request of type aiobrpc.ps.PushRequest, got {type(request).__name__}")
         response: ps_pb2.PushResponse = await self.channel.call_method(
             "aiobrpc.ps.ParameterServer", "Push", request, ps_pb2.PushResponse, cntl)
         return response
@@ -42,7 +42,7 @@ class ParameterServerStub:
     async def Pull(self, request: ps_pb2.PullRequest,
                    cntl: aiobrpc.Controller | None = None) -> ps_pb2.PullResponse:
         if type(request) is not ps_pb2.PullRequest and not isinstance(request, ps_pb2.PullRequest):
-            raise TypeError(f"aiobrpc.ps.ParameterServer.Pull takes a aiobrpc.ps.PullRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.ps.ParameterServer.Pull takes a request of type aiobrpc.ps.PullRequest, got {type(request).__name__}")
         response: ps_pb2.PullResponse = await self.channel.call_method(
             "aiobrpc.ps.ParameterServer", "Pull", request, ps_pb2.PullResponse, cntl)
         return response
@@ -62,7 +62,7 @@ class ParameterServerSyncStub:
     def Init(self, request: ps_pb2.InitRequest,
              cntl: aiobrpc.Controller | None = None) -> ps_pb2.InitResponse:
         if type(request) is not ps_pb2.InitRequest and not isinstance(request, ps_pb2.InitRequest):
-            raise TypeError(f"aiobrpc.ps.ParameterServer.Init takes a aiobrpc.ps.InitRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.ps.ParameterServer.Init takes a request of type aiobrpc.ps.InitRequest, got {type(request).__name__}")
         response: ps_pb2.InitResponse = self.channel.call_method(
             "aiobrpc.ps.ParameterServer", "Init", request, ps_pb2.InitResponse, cntl)
         return response
@@ -70,7 +70,7 @@ class ParameterServerSyncStub:
     def Push(self, request: ps_pb2.PushRequest,
              cntl: aiobrpc.Controller | None = None) -> ps_pb2.PushResponse:
         if type(request) is not ps_pb2.PushRequest and not isinstance(request, ps_pb2.PushRequest):
-            raise TypeError(f"aiobrpc.ps.ParameterServer.Push takes a aiobrpc.ps.PushRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.ps.ParameterServer.Push takes a request of type aiobrpc.ps.PushRequest, got {type(request).__name__}")
         response: ps_pb2.PushResponse = self.channel.call_method(
             "aiobrpc.ps.ParameterServer", "Push", request, ps_pb2.PushResponse, cntl)
         return response
@@ -78,7 +78,7 @@ class ParameterServerSyncStub:
     def Pull(self, request: ps_pb2.PullRequest,
              cntl: aiobrpc.Controller | None = None) -> ps_pb2.PullResponse:
         if type(request) is not ps_pb2.PullRequest and not isinstance(request, ps_pb2.PullRequest):
-            raise TypeError(f"aiobrpc.ps.ParameterServer.Pull takes a aiobrpc.ps.PullRequest, got {type(request).__name__}")
+            raise TypeError(f"aiobrpc.ps.ParameterServer.Pull takes a request of type aiobrpc.ps.PullRequest, got {type(request).__name__}")
         response: ps_pb2.PullResponse = self.channel.call_method(
             "aiobrpc.ps.ParameterServer", "Pull", request, ps_pb2.PullResponse, cntl)
         return response

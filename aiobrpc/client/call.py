@@ -35,7 +35,7 @@ from ..tracing import current as _current_span
 from ..tracing import new_id as new_trace_id
 from .grpc_connection import GrpcConnection
 from .pool import SINGLE
-from .retry import NEVER_RETRIED, RetryPolicy, retry_allowed
+from .retry import NEVER_RETRIED, RetryPolicy, retried_error_text, retry_allowed
 
 _EMPTY = b""
 _DEFAULT_RETRY_POLICY = RetryPolicy()
@@ -634,14 +634,8 @@ class Call:
             cntl._attempts.append(info)
 
     def _error_text(self) -> str:
-        """brpc's ErrorText: the first error, then ` [R<n>][E<code>]<text>` for each retry."""
-        errors = self.errors
-        if len(errors) == 1:
-            return errors[0][1]
-        parts = [f"[E{errors[0][0]}]{errors[0][1]}"]
-        for n, (code, text) in enumerate(errors[1:], 1):
-            parts.append(f" [R{n}][E{code}]{text}")
-        return "".join(parts)
+        """brpc's ErrorText, retries that failed alike told once (retry.retried_error_text)."""
+        return retried_error_text(self.errors)
 
 
 def _trace(cntl: Controller, span, service_name: str, method_name: str):

@@ -153,6 +153,34 @@ def retry_allowed(policy: RetryPolicy, cntl: Any) -> bool:
     return cntl.error_code not in NEVER_RETRIED and bool(policy.do_retry(cntl))
 
 
+def retried_error_text(errors: list[tuple[int, str]]) -> str:
+    """The error text of a call from its attempts' (code, text), first attempt first.
+
+    One attempt: its text. More: brpc's `[E<code>]<text>` of the first, then its ` [R<n>]`
+    marks, except that a run of retries that failed alike (same code, same text) is told once,
+    as ` [R<a>-R<b>][E<code>]<text>`, and a run that failed as the attempt before it did as
+    ` [R<a>-R<b>] same` (docs/client_resilience.md).
+
+    >>> retried_error_text([(111, "refused"), (112, "down"), (112, "down"), (112, "down")])
+    '[E111]refused [R1-R3][E112]down'
+    >>> retried_error_text([(61, "no server"), (61, "no server"), (61, "no server")])
+    '[E61]no server [R1-R2] same'
+    """
+    first_code, first_text = errors[0]
+    if len(errors) == 1:
+        return first_text
+    parts = [f"[E{first_code}]{first_text}"]
+    previous, first = errors[0], 1
+    for n in range(1, len(errors) + 1):
+        if n < len(errors) and errors[n] == errors[first]:
+            continue  # the run goes on
+        marks = f"[R{first}]" if n - 1 == first else f"[R{first}-R{n - 1}]"
+        code, text = errors[first]
+        parts.append(f" {marks} same" if errors[first] == previous else f" {marks}[E{code}]{text}")
+        previous, first = errors[first], n
+    return "".join(parts)
+
+
 def _check_ms(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not 0 <= value < math.inf:

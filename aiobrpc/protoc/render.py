@@ -155,7 +155,7 @@ def _stub(service: Service, sync: bool) -> list[str]:
             out += _docstring(m.comment, "        ")
         out += [
             f"        if type(request) is not {m.request_type} and not isinstance(request, {m.request_type}):",
-            f'            raise TypeError(f"{service.full_name}.{m.name} takes a {m.request_full_name}, '
+            f'            raise TypeError(f"{service.full_name}.{m.name} takes a request of type {m.request_full_name}, '
             'got {type(request).__name__}")',
             f"        response: {m.response_type} = {call}(",
             f'            "{service.full_name}", "{m.name}", request, {m.response_type}, cntl)',

@@ -89,7 +89,11 @@ def parse_body(message_class, body: bytes, content_type: str | None):
     except RpcError:
         raise
     except Exception as e:  # every parser's error: the caller sent something unreadable
-        raise RpcError(EREQUEST, f"Fail to parse the body as {kind or 'json'} into {name}: {e}") from None
+        if kind in ("proto", "x-protobuf", "proto-text", "proto-json"):
+            read_as = kind
+        else:  # brpc's JSON, whatever else the Content-Type said (curl -d sends a form's)
+            read_as = "JSON" + (f" (a Content-Type of {content_type} is read as JSON)" if kind not in ("", "json") else "")
+        raise RpcError(EREQUEST, f"Fail to parse the body as {read_as} into {name}: {e}") from None
     return msg
 
 

@@ -183,6 +183,8 @@ class Server:
             if not sep or not (port_s.isascii() and port_s.isdigit()):
                 raise ValueError(f"address must look like 'host:port' (port 0 = any), got {address!r}")
             host, port = host.strip("[]") or "0.0.0.0", int(port_s)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0 = any), got {port}")
         loop = asyncio.get_running_loop()
         self.stopping = False
         self.closing_connections = False

@@ -16,7 +16,7 @@ import pytest
 
 from aiobrpc import errors
 from aiobrpc.errors import RpcError
-from aiobrpc.press import LatencyHistogram, Press
+from aiobrpc.press import LatencyHistogram, Press, plot_marks
 from tests.cli.conftest import ROOT, assert_usage_error, cli_env, run_cli
 
 ECHO = ["--proto", str(ROOT / "proto" / "echo.proto"), "--method", "example.EchoService/Echo"]
@@ -99,6 +99,15 @@ def test_plot_writes_a_png(echo_address, tmp_path):
     done, _ = press(echo_address, "--request", '{"message": "hi"}', "--count", "200", "--plot", str(png))
     assert done.returncode == 0, done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_marks_that_print_alike_share_one_label():
+    # 200 calls: p999 is the slowest call, the max; drawn apart their labels were one over the other
+    assert plot_marks([("p50", 120.0), ("p99", 480.2), ("p999", 950.4), ("max", 950.0)]) == [
+        ("p50 120 us", 120.0), ("p99 480 us", 480.2), ("p999 = max 950 us", 950.4)]
+    assert plot_marks([("p50", 7.0), ("p99", 7.0), ("p999", 7.0), ("max", 7.0)]) == [("p50 = p99 = p999 = max 7 us", 7.0)]
+    assert [label for label, _ in plot_marks([("p50", 1.0), ("p99", 2.0), ("p999", 3.0), ("max", 4.0)])] == [
+        "p50 1 us", "p99 2 us", "p999 3 us", "max 4 us"]
 
 
 def test_plot_without_matplotlib_is_a_usage_error_before_any_call(echo_address, tmp_path):

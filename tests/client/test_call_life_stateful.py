@@ -1019,10 +1019,14 @@ class CallLife(RuleBasedStateMachine):
             if not text.startswith(f"Reached backup timeout={c.backup_ms}ms @"):
                 return f"text {text!r}"
         elif c.ended_by == "attempt" and len(c.errors) > 1:
-            # brpc's: [E<first>]<text> [R1][E<code>]<text> ...
+            # brpc's [E<first>]<text> [R1][E<code>]<text> ..., retries that failed alike told once:
+            # [R<a>-R<b>][E<code>]<text>, or [R<a>-R<b>] same after an attempt that failed so
             if not text.startswith(f"[E{c.errors[0]}]"):
                 return f"text {text!r} does not start with the first error {c.errors[0]}"
-            retried = [(int(n), int(e)) for n, e in re.findall(r" \[R(\d+)\]\[E(\d+)\]", text)]
+            retried, previous = [], c.errors[0]
+            for first, last, code in re.findall(r" \[R(\d+)(?:-R(\d+))?\](?:\[E(\d+)\]| same)", text):
+                previous = int(code) if code else previous
+                retried += [(n, previous) for n in range(int(first), int(last or first) + 1)]
             if retried != list(enumerate(c.errors[1:], 1)):
                 return f"text {text!r}, expected the codes {c.errors}"
         return None

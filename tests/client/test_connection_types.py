@@ -214,7 +214,8 @@ async def test_short_retries_use_new_connections(echo, how):
     with pytest.raises(aiobrpc.RpcError) as ei:
         await stub.Echo(req, cntl)
     assert ei.value.code == (errors.ELIMIT if how == "elimit" else errors.EEOF)
-    assert cntl.retried_count == 2 and ei.value.text.count("[R") == 2
+    text = ei.value.text  # two retries: told apart, or once when they failed alike
+    assert cntl.retried_count == 2 and ("[R1-R2]" in text or ("[R1]" in text and "[R2]" in text)), text
     assert server.stats.connections_accepted == 3 and servicer.executed == [1, 1, 1]
     await until(lambda: not server.connections)
     # a short connection's EOF is not a server failure

@@ -10,7 +10,7 @@ import pytest
 from aiobrpc import errors
 from aiobrpc.client.retry import (
     NEVER_RETRIED, RETRYABLE_BY_DEFAULT, FixedBackoffRetryPolicy, JitteredBackoffRetryPolicy,
-    RetryPolicy, RetryThrottle, retry_allowed,
+    RetryPolicy, RetryThrottle, retried_error_text, retry_allowed,
 )
 from aiobrpc.controller import Controller
 
@@ -163,3 +163,22 @@ def test_throttle_defaults_and_validation():
                           ({"max_tokens": 2, "token_ratio": 3}, "token_ratio")]:
         with pytest.raises(ValueError, match=match):
             RetryThrottle(**kwargs)
+
+
+# -- the error text of a retried call -----------------------------------------------------------
+@pytest.mark.parametrize("attempts,text", [
+    ([(2004, "busy")], "busy"),  # one attempt: its text, as brpc
+    ([(111, "refused"), (112, "down")], "[E111]refused [R1][E112]down"),  # brpc's form
+    ([(111, "refused"), (112, "down"), (112, "down"), (112, "down")], "[E111]refused [R1-R3][E112]down"),
+    ([(61, "none"), (61, "none"), (61, "none"), (61, "none")], "[E61]none [R1-R3] same"),
+    ([(61, "none"), (61, "none")], "[E61]none [R1] same"),
+    ([(1, "a"), (2, "b"), (2, "b"), (1, "a"), (3, "c")], "[E1]a [R1-R2][E2]b [R3][E1]a [R4][E3]c"),
+    ([(2004, "busy"), (2001, "busy")], "[E2004]busy [R1][E2001]busy"),  # another code is another failure
+])
+def test_retries_that_failed_alike_are_told_once(attempts, text):
+    assert retried_error_text(attempts) == text
+
+
+def test_every_retry_is_counted_in_the_marks():
+    attempts = [(1, "a")] + [(2, "b")] * 5 + [(3, "c")] * 2
+    assert retried_error_text(attempts) == "[E1]a [R1-R5][E2]b [R6-R7][E3]c"

@@ -122,6 +122,61 @@ def test_version_names_the_implementation(env, twin):
     assert aiobrpc.implementation() == twin
 
 
+# The README's demo command installs aiobrpc alone: the demo runs with only the modules of
+# aiobrpc's dependencies (and theirs) importable, those of every extra blocked.
+DEMO_WITH_THE_BASE_INSTALL_ONLY = '''
+import importlib.abc
+import importlib.metadata as md
+import re
+import sys
+
+
+def normalized(requirement):
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group(0)).lower()
+
+
+base, todo = set(), ["aiobrpc"]
+while todo:
+    dist = todo.pop()
+    if dist in base:
+        continue
+    base.add(dist)
+    try:
+        todo += [normalized(r) for r in md.requires(dist) or [] if "extra ==" not in r]
+    except md.PackageNotFoundError:
+        pass
+blocked = {m for m, dists in md.packages_distributions().items() if not any(normalized(d) in base for d in dists)}
+assert {"pytest", "numpy"} <= blocked, "the test extra is installed here: its modules are blocked"
+
+
+class BeyondTheBaseInstall(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {fullname!r} (outside aiobrpc's base install)", name=fullname)
+        return None
+
+
+sys.meta_path.insert(0, BeyondTheBaseInstall())
+try:
+    import numpy  # noqa: F401
+except ModuleNotFoundError:
+    pass
+else:
+    raise AssertionError("numpy, of the test extra, was importable")
+from aiobrpc.cli import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_the_demo_needs_only_the_base_install(env, twin):
+    done = subprocess.run([sys.executable, "-c", DEMO_WITH_THE_BASE_INSTALL_ONLY, "demo", "--seconds", "0.5",
+                           "--concurrency", "4"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"errors\W+0\W", done.stdout), done.stdout
+    assert re.search(rf"_fast\W+{twin}\W", done.stdout), done.stdout
+
+
 def test_demo_prints_a_summary(env, twin):
     start = time.monotonic()
     done = run_cli(env, "demo", "--seconds", "1", "--concurrency", "8", "--size", "64")
@@ -165,6 +220,14 @@ def test_call_closed_port_exits_1_in_one_line(env):
     assert re.fullmatch(r"call failed: \[E112\]\[E111\]Fail to connect 127\.0\.0\.1:\d+: Connection refused "
                         r"\[R1-R3\]\[E112\]Not connected to 127\.0\.0\.1:\d+ yet: the server is down, "
                         r"health check running\n", done.stderr), done.stderr
+
+
+def test_call_list_url_of_a_dead_server_tells_each_failure_once(env):
+    done = run_cli(env, "call", f"list://127.0.0.1:{closed_port()}", ECHO, *ECHO_PROTO, "-d", '{"message": "hi"}')
+    assert done.returncode == 1
+    assert re.fullmatch(r"call failed: \[E112\]\[E111\]Fail to connect 127\.0\.0\.1:\d+: Connection refused "
+                        r"\[R1-R3\]\[E112\]Fail to select server: none of the 1 servers of rr is available\n",
+                        done.stderr), done.stderr
 
 
 def test_call_verbose_lists_the_attempts_and_the_log(env):
@@ -254,9 +317,11 @@ def call_args(address: str = "127.0.0.1:8000", data: str = '{"message": "hi"}', 
     (["call", "127.0.0.1:8000", "example.EchoService/Ping", *ECHO_PROTO], "no method 'Ping'"),
     (["call", "127.0.0.1:8000"], "the following arguments are required: METHOD, --proto"),
     (["demo", "--seconds", "0"], "--seconds: must be > 0"),
+    (call_args("list://", '{"message": "hi"}'), "'list://' lists no server: give one or more"),
+    (call_args("list:// , #none", '{"message": "hi"}'), "'list:// , #none' lists no server"),
 ], ids=["address", "list-entry", "list-ipv6", "scheme", "lb", "lb-plain", "lb-params", "proto", "json", "json-line",
         "duplicate", "field", "int", "int-json-name", "int-range", "string", "not-object", "required", "method",
-        "missing-args", "seconds"])
+        "missing-args", "seconds", "list-empty", "list-only-blanks"])
 def test_user_errors_exit_2_in_one_line(env, args, message):
     done = run_cli(env, *args)
     assert done.returncode == 2

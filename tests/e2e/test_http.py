@@ -216,6 +216,21 @@ async def test_errors_map_to_statuses_as_brpc_does(server, path, body, status, c
         assert header(headers, "x-bd-error-code") == str(code)
 
 
+@pytest.mark.parametrize("content_type, read_as", [
+    (None, "JSON"),
+    ("application/json", "JSON"),
+    # what `curl -d` sends: read as JSON, as brpc does, and the error says so
+    ("application/x-www-form-urlencoded", "JSON (a Content-Type of application/x-www-form-urlencoded is read as JSON)"),
+    ("application/proto-json", "proto-json"),
+])
+async def test_a_body_that_is_not_json_is_told_as_such(server, content_type, read_as):
+    headers = {"Content-Type": content_type} if content_type else {}
+    status, got_headers, got = await fetch(server, "POST", f"/{SVC}/Echo", b"hello there", headers)
+    assert status == 400 and header(got_headers, "x-bd-error-code") == "1003"
+    assert f"[E1003]Fail to parse the body as {read_as} into interop.EchoRequest: Failed to load JSON: " \
+           in got.decode(), got
+
+
 async def test_max_concurrency_answers_503_elimit(server):
     server.options.max_concurrency = 1
     slow = asyncio.ensure_future(fetch(server, "POST", f"/{SVC}/Echo", b'{"message":"s","sleep_ms":300}'))

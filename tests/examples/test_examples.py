@@ -32,6 +32,11 @@ def env(twin):
     return env
 
 
+# The 'train' extra pins torch for Python 3.11, and installs none elsewhere.
+TORCH_MISSING = ("torch is not installed: pip install -e '.[train]'" if sys.version_info[:2] == (3, 11)
+                 else "torch is not installed: the 'train' extra has it for Python 3.11 only")
+
+
 def run(name: str, *args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -79,6 +84,42 @@ def test_echo_client_reports_a_server_that_is_not_there(env):
     r = run("echo_client.py", "127.0.0.1:1", env=env)
     assert r.returncode == 1
     assert "failed: [E111]Fail to connect 127.0.0.1:1" in r.stderr
+
+
+def test_echo_client_tells_a_malformed_address_in_one_line(env):
+    r = run("echo_client.py", "nonsense", env=env)
+    assert r.returncode == 2
+    assert r.stderr == "bad address: address must look like 'host:port' with a port in 1..65535, got 'nonsense'\n"
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--port", "70000"], "port must be in 0..65535 (0 = any), got 70000"),
+    (["--host", "nohost.invalid", "--port", "0"], ""),  # the resolver's words
+], ids=["port", "host"])
+def test_echo_server_that_cannot_listen_says_why_in_one_line(env, args, why):
+    r = run("echo_server.py", *args, env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    address = f"{args[1] if args[0] == '--host' else '127.0.0.1'}:{args[-1]}"
+    assert r.stderr.startswith(f"cannot listen on {address}: {why}") and r.stderr.count("\n") == 1, r.stderr
+
+
+# Each is run with the module made unimportable (None in sys.modules), as where it is not installed.
+RUN_WITHOUT = ("import runpy, sys; sys.modules[sys.argv[1]] = None; sys.argv = sys.argv[2:]; "
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("name, module, hint", [
+    ("numpy_attachments.py", "numpy", "numpy is not installed: pip install numpy"),
+    ("ps_train.py", "numpy", "numpy is not installed: pip install numpy"),
+    ("grpc_chat.py", "grpc", "grpcio is not installed: pip install grpcio"),
+    ("train_three_ways.py", "torch", "torch is not installed: pip install torch (the 'train' extra pins it for "
+                                     "Python 3.11)"),
+])
+def test_an_example_says_which_optional_package_is_missing(env, name, module, hint):
+    r = subprocess.run([sys.executable, "-c", RUN_WITHOUT, module, str(EXAMPLES / name)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == hint + "\n"
 
 
 def test_cluster_retries_and_backups(env):
@@ -167,7 +208,7 @@ def test_ps_train_two_workers_two_shards(env):
 
 
 def test_train_three_ways_quick(env, twin, tmp_path):
-    pytest.importorskip("torch", reason="torch (the 'train' extra) is installed for Python 3.11 only")
+    pytest.importorskip("torch", reason=TORCH_MISSING)
     pytest.importorskip("matplotlib", reason="matplotlib (the 'train' extra) draws the loss curves")
     if pure_run_of_parent():
         pytest.skip("runs once, with the compiled twin in the parent process: torch's start-up costs "

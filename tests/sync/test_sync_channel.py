@@ -82,8 +82,10 @@ def test_errors_raise_rpc_error_with_their_codes(server):
         with pytest.raises(aiobrpc.RpcError) as e:
             channel.call_method("interop.NoSuchService", "Echo", echo("x"), interop_pb2.EchoResponse)
         assert e.value.code == errors.ENOMETHOD
-        with pytest.raises(TypeError, match="takes a interop.EchoRequest"):
+        with pytest.raises(TypeError, match="takes a request of type interop.EchoRequest"):
             stub.Echo(interop_pb2.EchoResponse(message="wrong type"))
+        with pytest.raises(TypeError, match="interop.EchoService.Echo takes a protobuf message, got dict"):
+            channel.call_method("interop.EchoService", "Echo", {"message": "x"}, interop_pb2.EchoResponse)
 
 
 def test_a_call_past_its_deadline_raises_erpctimedout(server):

@@ -79,7 +79,7 @@ async def test_a_request_of_another_type_raises_type_error_before_sending():
     try:
         async with aiobrpc.Channel(server.address) as channel:
             stub = echo_aiobrpc.EchoServiceStub(channel)
-            with pytest.raises(TypeError, match=r"^example\.EchoService\.Echo takes a example\.EchoRequest, "
+            with pytest.raises(TypeError, match=r"^example\.EchoService\.Echo takes a request of type example\.EchoRequest, "
                                                 r"got EchoResponse$"):
                 await stub.Echo(echo_pb2.EchoResponse(message="x"))  # type: ignore[arg-type]
             with pytest.raises(TypeError, match="got EchoRequest"):  # same name, another package
@@ -135,7 +135,7 @@ async def test_generated_stub_calls_streaming_rpcs_over_grpc():
             with pytest.raises(aiobrpc.RpcError) as e:
                 await stub.Bidi([grpc_test_pb2.GrpcMessage(text="x")]).read()
             assert e.value.code == errors.EINTERNAL and e.value.text.endswith("Method Bidi() not implemented.")
-            with pytest.raises(TypeError, match="takes a aiobrpc.test.GrpcMessage, got EchoRequest"):
+            with pytest.raises(TypeError, match="takes a request of type aiobrpc.test.GrpcMessage, got EchoRequest"):
                 stub.ServerStream(echo_pb2.EchoRequest())  # type: ignore[arg-type]
         async with aiobrpc.Channel(server.address) as channel:  # baidu_std: refused before sending
             with pytest.raises(aiobrpc.RpcError) as e:
@@ -162,7 +162,7 @@ async def test_sync_stub_calls_a_real_server_from_a_thread():
             stub = echo_aiobrpc.EchoServiceSyncStub(channel)
             cntl = aiobrpc.Controller(request_attachment=b"att")
             resp = stub.Echo(echo_pb2.EchoRequest(message="s"), cntl)
-            with pytest.raises(TypeError, match="takes a example.EchoRequest, got EchoResponse"):
+            with pytest.raises(TypeError, match="takes a request of type example.EchoRequest, got EchoResponse"):
                 stub.Echo(echo_pb2.EchoResponse(message="x"))  # type: ignore[arg-type]
             return resp, bytes(cntl.response_attachment)
 

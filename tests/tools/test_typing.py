@@ -1,7 +1,8 @@
 """The README's client example and examples/typed_echo.py pass `mypy --strict` with the
 generated stubs (aiobrpc/_proto/echo_aiobrpc.py, echo_pb2.pyi), and so do the generated
 modules; a probe checked in the same run asserts the types the stubs give, so a stub left
-untyped (or typed Any) fails here.
+untyped (or typed Any) fails here. Programs using the dynamic `aiobrpc.Stub` (examples/
+echo_client.py, docs/sync.md's example) pass too: its methods are untyped callables.
 
 One mypy run for all of it (mypy is slow to start), in one of the two processes only
 (tests/conftest.py: _ONCE_DIRS): types do not depend on the twin.
@@ -71,6 +72,17 @@ class Streams(grpc_test_aiobrpc.GrpcTestServiceServicer):
         return [r async for r in requests][-1]
 
 
+async def dynamic_stub_probe(channel: aiobrpc.Channel) -> None:
+    stub = aiobrpc.Stub(channel, echo_pb2.DESCRIPTOR.services_by_name["EchoService"])
+    assert_type(stub.Echo, typing.Callable[..., typing.Any])
+    assert_type(await stub.Echo(echo_pb2.EchoRequest(message="a")), typing.Any)
+
+
+def dynamic_sync_stub_probe(channel: aiobrpc.sync.Channel) -> None:
+    stub = aiobrpc.sync.Stub(channel, echo_pb2.DESCRIPTOR.services_by_name["EchoService"])
+    assert_type(stub.Echo(echo_pb2.EchoRequest(message="a")).message, typing.Any)
+
+
 class WrongRequest(echo_aiobrpc.EchoServiceServicer):
     async def Echo(self, request: echo_pb2.EchoResponse, cntl: aiobrpc.Controller) -> echo_pb2.EchoResponse:  # type: ignore[override]
         return request
@@ -89,15 +101,24 @@ def readme_client_example() -> str:
     return match.group(1)
 
 
+def sync_doc_example() -> str:
+    match = re.search(r"^```python\n(.*?)^```", (ROOT / "docs" / "sync.md").read_text(), re.S | re.M)
+    assert match, "docs/sync.md opens with a ```python example"
+    return match.group(1)
+
+
 def test_readme_client_and_typed_example_pass_mypy_strict(tmp_path):
     (tmp_path / "readme_client.py").write_text(readme_client_example())
+    (tmp_path / "echo_client.py").write_text((ROOT / "examples" / "echo_client.py").read_text())
+    (tmp_path / "sync_doc.py").write_text(sync_doc_example())
+    assert "aiobrpc.sync.Stub(channel, ECHO)" in (tmp_path / "sync_doc.py").read_text()
     assert "echo_aiobrpc.EchoServiceStub(channel)" in (tmp_path / "readme_client.py").read_text()
     (tmp_path / "typed_echo.py").write_text((ROOT / "examples" / "typed_echo.py").read_text())
     (tmp_path / "stub_types_probe.py").write_text(PROBE)
     # The generated modules themselves too: as targets, mypy reports their errors.
     generated = [f"aiobrpc._proto.{p.stem}" for p in sorted((ROOT / "aiobrpc" / "_proto").glob("*_aiobrpc.py"))]
     assert "aiobrpc._proto.echo_aiobrpc" in generated
-    modules = ["readme_client", "typed_echo", "stub_types_probe", *generated]
+    modules = ["readme_client", "typed_echo", "echo_client", "sync_doc", "stub_types_probe", *generated]
     # Run outside the repository (mypy finds the files above in its working directory), so
     # aiobrpc is found as installed (`pip install -e .`), as a user's is.
     done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "mypy_cache"),

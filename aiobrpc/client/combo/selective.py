@@ -19,7 +19,7 @@ from ...errors import (EBACKUPREQUEST, ECANCELED, EHOSTDOWN, EINTERNAL, ENODATA,
 from ...options import ChannelOptions
 from ..lb import LoadBalancer, create_load_balancer
 from ..naming.base import ServerNode
-from ..retry import NEVER_RETRIED, RetryPolicy, retry_allowed
+from ..retry import NEVER_RETRIED, RetryPolicy, retried_error_text, retry_allowed
 from .callbacks import CallbackError, ask
 from .controllers import SELECTIVE_SETTINGS, begin, fail, inherit_settings
 from .members import call_sub_channel, check_sub_channel, close_all, is_healthy
@@ -492,11 +492,5 @@ class _SelectiveCall:
         return err
 
     def _error_text(self) -> str:
-        """brpc's form: the first error, then ` [R<n>][E<code>]<text>` for each retry."""
-        errors = self.errors
-        if len(errors) == 1:
-            return errors[0][1]
-        parts = [f"[E{errors[0][0]}]{errors[0][1]}"]
-        for n, (code, text) in enumerate(errors[1:], 1):
-            parts.append(f" [R{n}][E{code}]{text}")
-        return "".join(parts)
+        """brpc's ErrorText, retries that failed alike told once (retry.retried_error_text)."""
+        return retried_error_text(self.errors)
