@@ -477,32 +477,3 @@ class _Provider:
         b = self.data[self.pos:]
         self.pos = len(self.data)
         return b
-
-
-def strict_utf8() -> bool:
-    """FUZZ_STRICT_UTF8=1: the open finding of proto2 strings holding invalid UTF-8 (README)
-    fails the input instead of being tolerated."""
-    return os.environ.get("FUZZ_STRICT_UTF8", "") not in ("", "0")
-
-
-def non_utf8_string(msg) -> bool:
-    """Whether a string field of `msg` (or of a message in it) holds bytes that are not UTF-8:
-    protobuf (upb) parses them in proto2 and gives the field back as `bytes`."""
-    for field, value in msg.ListFields():
-        if field.type == field.TYPE_STRING:
-            values = [value] if isinstance(value, (str, bytes)) else list(value)
-        elif field.type in (field.TYPE_MESSAGE, field.TYPE_GROUP):
-            if hasattr(value, "ListFields"):
-                values = [value]
-            else:  # repeated, or a map (its values: scalars or messages)
-                values = list(value.values()) if hasattr(value, "values") else list(value)
-        else:
-            continue
-        for v in values:
-            if isinstance(v, bytes) and field.type != field.TYPE_BYTES:
-                if field.type == field.TYPE_STRING or not field.message_type.fields_by_name["value"].type \
-                        == field.TYPE_BYTES:
-                    return True
-            if hasattr(v, "ListFields") and non_utf8_string(v):
-                return True
-    return False

@@ -5,7 +5,6 @@ no sleep over 5 ms, no reply attachment over 64 KiB)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import zlib
 
 import aiobrpc
@@ -24,17 +23,6 @@ class FuzzEcho(aiobrpc.Servicer):
         self.stream_tasks: set = set()
 
     async def Echo(self, request, cntl):
-        try:
-            return await self._echo(request, cntl)
-        except UnicodeDecodeError:
-            # Finding 3 (fuzz/README.md): a proto2 string field (message, fail_text) holding
-            # invalid UTF-8 parses, and reading it raises in the handler. Tolerated here
-            # (FUZZ_STRICT_UTF8=1 lets it fail) so that the fuzzer goes on past it.
-            if os.environ.get("FUZZ_STRICT_UTF8", "") not in ("", "0"):
-                raise
-            raise aiobrpc.RpcError(aiobrpc.errors.EREQUEST, "a string field of the request is not UTF-8") from None
-
-    async def _echo(self, request, cntl):
         if request.sleep_ms > 0:
             await asyncio.sleep(min(request.sleep_ms, 5) / 1000)
         if request.close_connection:

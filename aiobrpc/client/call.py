@@ -30,6 +30,7 @@ from ..controller import AttemptInfo, Controller  # AttemptInfo: also importable
 from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
                       EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
 from ..protocol import baidu_std, content, streaming
+from ..protocol.utf8 import class_checker as _string_check
 from ..stream import connect_streams, streams_failed
 from ..tracing import current as _current_span
 from ..tracing import new_id as new_trace_id
@@ -661,6 +662,13 @@ def _offered_before(streams) -> bool:
     return False
 
 
+def _check_strings(check, response) -> None:
+    bad = check(response)
+    if bad:  # protocol/utf8.py: a proto2 string the parser left unchecked
+        raise RpcError(ERESPONSE, f"Fail to parse response={response.DESCRIPTOR.full_name}: "
+                                  f"string field {bad} is not UTF-8")
+
+
 def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size: int):
     meta = ev.meta
     data = ev.data
@@ -673,6 +681,9 @@ def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size:
         except Exception:  # noqa: BLE001
             response = None
         if response is not None and response.IsInitialized():
+            check = _string_check(response_class)
+            if check is not None:
+                _check_strings(check, response)
             cntl.response_compress_type = 0
             cntl.response_checksum_type = 0
             cntl.response_checksum_with_attachment = False
@@ -687,6 +698,9 @@ def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size:
         response = content.parse(response_class, data, meta.content_type or 0)
     except RemoteProtocolError as e:
         raise RpcError(ERESPONSE, f"Fail to parse response: {e}") from None
+    check = _string_check(response_class)
+    if check is not None:
+        _check_strings(check, response)
     cntl.response_attachment = ev.attachment
     if meta.user_fields:
         if len(meta.user_fields) > _fast.MAX_USER_FIELDS:

@@ -31,6 +31,7 @@ from ..controller import Controller
 from ..errors import (ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, EREQUEST, ERESPONSE, ERPCTIMEDOUT,
                       LocalProtocolError, RpcError)
 from ..protocol import grpc as wire
+from ..protocol import utf8
 from .call import CallbackFailed
 from .grpc_connection import (DEADLINE_RACE_S, GrpcConnection, ended_without_status, keep_body_head, read_headers,
                               read_trailers)
@@ -366,7 +367,11 @@ class StreamingCall:
             if compressed:
                 payload = wire.decompress_message(self.encoding, payload, self.max_decompressed_size)
                 self.cntl.response_compress_type = wire.COMPRESS_TYPE_OF_ENCODING.get(self.encoding, 0)
-            return self.response_class.FromString(payload)
+            response = self.response_class.FromString(payload)
+            bad = utf8.bad_field(response)  # protocol/utf8.py: a proto2 string left unchecked
+            if bad:
+                raise ValueError(f"string field {bad} is not UTF-8")
+            return response
         except Exception as e:  # noqa: BLE001  a message that does not parse ends the call
             err = RpcError(ERESPONSE, f"Fail to parse gRPC response: {e}")
             if self.finished:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 
 from google.protobuf import json_format, text_format
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 
 from ..errors import LocalProtocolError, RemoteProtocolError
+from . import utf8
 
 PB = 0
 JSON = 1
@@ -27,9 +28,14 @@ def name(ctype: int) -> str:
 
 
 def serialize(message, ctype: int = PB):
-    """Message -> bytes. Raises EncodeError for missing required fields."""
+    """Message -> bytes. Raises EncodeError for missing required fields, and for JSON, for a
+    string field that is not UTF-8."""
     if ctype == PB:
         return message.SerializeToString()
+    if ctype in (JSON, PROTO_JSON):
+        bad = utf8.bad_field(message)
+        if bad:  # protobuf's JSON writer would write the bytes' repr (b'...') as the string
+            raise EncodeError(f"string field {bad} is not UTF-8: JSON cannot carry it")
     if ctype == JSON:
         d = json_format.MessageToDict(message, preserving_proto_field_name=True)
         _int64_as_numbers(d, message)

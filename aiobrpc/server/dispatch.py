@@ -18,7 +18,7 @@ from ..controller import Controller
 from ..errors import (EINTERNAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EOVERCROWDED, EREQUEST, ERESPONSE,
                       RemoteProtocolError, RpcError)
 from ..metrics import MethodStatus
-from ..protocol import baidu_std, checksum, compress, content, streaming
+from ..protocol import baidu_std, checksum, compress, content, streaming, utf8
 from ..stub import Servicer, message_class
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class MethodEntry:
     __slots__ = ("service_name", "method_name", "handler", "is_async", "request_class",
                  "response_class", "full_name", "place", "status", "descriptor", "client_streaming",
-                 "server_streaming", "streaming")
+                 "server_streaming", "streaming", "bad_string")
 
     def __init__(self, descriptor, handler, place=None) -> None:
         self.place = place  # the servicer's receive_attachment_into, when it has its own
@@ -40,6 +40,7 @@ class MethodEntry:
         self.is_async = is_async_handler(handler)
         self.request_class = message_class(descriptor.input_type)
         self.response_class = message_class(descriptor.output_type)
+        self.bad_string = utf8.checker(self.request_class)  # None: no unchecked string field
         # `rpc M(stream A) returns (stream B)`: served over gRPC only (server/grpc/call.py)
         self.client_streaming = bool(descriptor.client_streaming)
         self.server_streaming = bool(descriptor.server_streaming)
@@ -123,6 +124,8 @@ def attachment_destination(registry: Registry, meta, data):
         request = entry.request_class.FromString(data)
     except Exception:  # noqa: BLE001 - dispatch reports a request that does not parse
         return None
+    if entry.bad_string is not None and entry.bad_string(request):
+        return None  # dispatch refuses it
     return entry.place(entry.method_name, request, meta.attachment_size)
 
 
@@ -173,6 +176,7 @@ _new_controller = object.__new__
 def parse_request(entry: MethodEntry, ev, max_decompressed_size: int):
     meta = ev.meta
     data = ev.data
+    request = None
     if not (meta.compress_type or meta.checksum_type or meta.content_type) and len(data) <= max_decompressed_size:
         # Plain protobuf, the usual case, parsed with no more calls; what is wrong with it is
         # named by the general way below.
@@ -180,18 +184,30 @@ def parse_request(entry: MethodEntry, ev, max_decompressed_size: int):
             request = entry.request_class.FromString(data)
         except Exception:  # noqa: BLE001
             request = None
-        if request is not None and request.IsInitialized():
-            return request
-    try:
-        data = baidu_std.decode_data(meta, data, ev.attachment, max_decompressed_size)
-        return content.parse(entry.request_class, data, meta.content_type or 0)
-    except RemoteProtocolError as e:
-        raise RpcError(EREQUEST, (
-            f"Fail to parse request={entry.request_class.DESCRIPTOR.full_name}, "
-            f"ContentType={content.name(meta.content_type or 0)}, "
-            f"CompressType={compress.name(meta.compress_type or 0)}, "
-            f"ChecksumType={checksum.name(meta.checksum_type or 0)}, "
-            f"request_size={len(ev.data)} ({e})")) from None
+        if request is not None and not request.IsInitialized():
+            request = None
+    if request is None:
+        try:
+            data = baidu_std.decode_data(meta, data, ev.attachment, max_decompressed_size)
+            request = content.parse(entry.request_class, data, meta.content_type or 0)
+        except RemoteProtocolError as e:
+            raise RpcError(EREQUEST, (
+                f"Fail to parse request={entry.request_class.DESCRIPTOR.full_name}, "
+                f"ContentType={content.name(meta.content_type or 0)}, "
+                f"CompressType={compress.name(meta.compress_type or 0)}, "
+                f"ChecksumType={checksum.name(meta.checksum_type or 0)}, "
+                f"request_size={len(ev.data)} ({e})")) from None
+    if entry.bad_string is not None:
+        check_strings(entry, request)
+    return request
+
+
+def check_strings(entry: MethodEntry, request) -> None:
+    """RpcError(EREQUEST) where a string field of `request` is not UTF-8 (protocol/utf8.py)."""
+    bad = entry.bad_string(request)
+    if bad:
+        raise RpcError(EREQUEST, f"Fail to parse request={entry.request_class.DESCRIPTOR.full_name}: "
+                                 f"string field {bad} is not UTF-8")
 
 
 def error_response(request_meta, code: int, text: str, tag: str) -> list:

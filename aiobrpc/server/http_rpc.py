@@ -28,7 +28,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from .. import _fast, tracing
 from ..controller import Controller
-from ..protocol import compress
+from ..protocol import compress, utf8
 from ..errors import (EINVAL, ELIMIT, ELOGOFF, ENOMETHOD, ENOSERVICE, EPERM, EREQUEST, ERESPONSE,
                       ERPCAUTH, ERPCTIMEDOUT, ETIMEDOUT, RpcError)
 from .dispatch import handler_failed, limit_error, request_ended, set_failed, streaming_refusal
@@ -94,6 +94,9 @@ def parse_body(message_class, body: bytes, content_type: str | None):
         else:  # brpc's JSON, whatever else the Content-Type said (curl -d sends a form's)
             read_as = "JSON" + (f" (a Content-Type of {content_type} is read as JSON)" if kind not in ("", "json") else "")
         raise RpcError(EREQUEST, f"Fail to parse the body as {read_as} into {name}: {e}") from None
+    bad = utf8.bad_field(msg)  # only a protobuf body can hold one (protocol/utf8.py)
+    if bad:
+        raise RpcError(EREQUEST, f"Fail to parse the body into {name}: string field {bad} is not UTF-8")
     return msg
 
 
@@ -110,6 +113,9 @@ def write_body(msg, content_type: str | None) -> bytes:
         return msg.SerializeToString()
     if kind == "proto-text":
         return text_format.MessageToString(msg).encode()
+    bad = utf8.bad_field(msg)
+    if bad:  # protobuf's JSON writer would write the bytes' repr (b'...') as the string
+        raise ValueError(f"string field {bad} is not UTF-8: JSON cannot carry it")
     if kind == "proto-json":
         return json_format.MessageToJson(msg, indent=None).encode()
     return json.dumps(to_brpc_json(msg), separators=(",", ":"), ensure_ascii=False).encode()

@@ -27,7 +27,7 @@ from h2.exceptions import ProtocolError as H2Refused  # StreamClosedError too: h
 from ...controller import Controller
 from ...errors import ECANCELED, EINTERNAL, EREQUEST, ERESPONSE, ERPCAUTH, ERPCTIMEDOUT, RpcError
 from ...protocol import grpc as codec
-from ..dispatch import (handler_failed, limit_error, request_ended, server_admission_error, set_failed,
+from ..dispatch import (check_strings, handler_failed, limit_error, request_ended, server_admission_error, set_failed,
                         user_fields_error)
 from .. import auth
 from ..inline import run_inline
@@ -273,7 +273,7 @@ class GrpcCall:
             if compressed:
                 payload = codec.decompress_message(self.encoding, payload,
                                                    self.session.server.options.max_decompressed_size)
-            return entry.request_class.FromString(payload)
+            request = entry.request_class.FromString(payload)
         except codec.GrpcProtocolError as e:
             text = str(e).replace("max_message_size", "max_decompressed_size")  # the server's name of it
             raise RpcError(EREQUEST, f"Fail to read request={entry.request_class.DESCRIPTOR.full_name}: {text}") \
@@ -281,6 +281,9 @@ class GrpcCall:
         except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
             raise RpcError(EREQUEST, f"Fail to parse request={entry.request_class.DESCRIPTOR.full_name}: {e}") \
                 from None
+        if entry.bad_string is not None:
+            check_strings(entry, request)
+        return request
 
     def message_taken(self, size: int) -> None:
         """The handler took a message of `size` bytes (prefix included) from the queue."""
