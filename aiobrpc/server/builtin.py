@@ -11,16 +11,21 @@ import dataclasses
 import html
 import json
 import os
+import struct
 import sys
 import time
+import zlib
+import urllib.parse
 from typing import Callable
 
 from ..metrics import PERCENTILES, prometheus_lines, underscored
+from . import plot, series
 from .glob import GlobError, GlobList
 from .http_rpc import HttpReply, method_listing
 
 PAGES = ("index", "status", "vars", "brpc_metrics", "health", "version", "flags", "protobufs", "connections",
-         "rpcz")
+         "rpcz", "favicon.ico")
+_LISTED = [p for p in PAGES if p not in ("index", "favicon.ico")]  # what / links to
 _TEXT = "text/plain"
 _HTML = "text/html"
 
@@ -65,8 +70,25 @@ def _text_or_html(req: Request, title: str, text: str) -> HttpReply:
 
 
 def _page(title: str, body: str) -> str:
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title></head>"
-            f"<body><h1>{html.escape(title)}</h1>\n{body}\n</body></html>\n")
+    # The empty icon: a browser asks no /favicon.ico (a 404 it would log as a console error).
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<link rel=\"icon\" href=\"data:,\"><style>{_STYLE}</style></head>"
+            f"<body><p class=\"nav\"><a href=\"/\">aiobrpc server</a></p><h1>{html.escape(title)}</h1>\n{body}\n"
+            f"</body></html>\n")
+
+
+_STYLE = ("body{font-family:sans-serif;margin:1em 2em}table{border-collapse:collapse}"
+          "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#eee}"
+          ".plots{display:flex;flex-wrap:wrap;gap:8px;margin:4px 0 12px}.nav{font-size:small}")
+
+
+def _plots(server, name: str, title: str) -> str:
+    """The variable's last 60 seconds and 60 minutes, side by side (series.py)."""
+    s = server.series.get(name) if server.series is not None else None
+    seconds, minutes = (list(s.seconds), list(s.minutes)) if s is not None else ([], [])
+    return (f'<div class="plots" data-var="{html.escape(name)}">'
+            + plot.svg_line(seconds, title, "60 seconds", series.SECONDS)
+            + plot.svg_line(minutes, title, "60 minutes", series.MINUTES) + "</div>")
 
 
 # -- the server's figures ----------------------------------------------------------------------
@@ -142,20 +164,37 @@ def _process_variables() -> list[tuple[str, object]]:
 # -- pages ---------------------------------------------------------------------------------------
 def _index(req: Request) -> HttpReply:
     server = req.server
-    lines = [f"{p}: /{p}" for p in PAGES if p != "index"]
+    lines = [f"{p}: /{p}" for p in _LISTED]
     lines.append("")
     for svc, methods in server.registry.services.items():
         lines += [f"{svc}/{m}: /{svc}/{m}" for m in methods]
     if req.console:
         return _reply("\n".join(lines) + "\n")
-    links = "".join(f'<li><a href="/{p}">/{p}</a></li>' for p in PAGES if p != "index")
-    methods = "".join(f'<li><a href="/{html.escape(s)}/{html.escape(m)}">{html.escape(s)}/{html.escape(m)}</a></li>'
+    links = "".join(f'<li><a href="/{p}">/{p}</a></li>' for p in _LISTED)
+    # A method is called with POST: its link opens its service's description instead.
+    methods = "".join(f'<li><a href="/protobufs/{html.escape(s)}">{html.escape(s)}</a>/{html.escape(m)} '
+                      f'(POST /{html.escape(s)}/{html.escape(m)})</li>'
                       for s, ms in server.registry.services.items() for m in ms)
     return _reply(_page("aiobrpc server", f"<ul>{links}</ul><h2>Services</h2><ul>{methods}</ul>"), _HTML)
 
 
 def _health(req: Request) -> HttpReply:
     return _reply("OK")
+
+
+def _png(width: int, height: int, rgba: bytes) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\0" + rgba * width for _ in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+_FAVICON = _png(16, 16, b"\x4c\x72\xb0\xff")  # a blue square: a browser asks for it on every page
+
+
+def _favicon(req: Request) -> HttpReply:
+    return HttpReply(200, [("Content-Type", "image/png"), ("Cache-Control", "max-age=86400")], _FAVICON)
 
 
 def _version(req: Request) -> HttpReply:
@@ -183,11 +222,14 @@ def _status(req: Request) -> HttpReply:
     parts = [f'<table class="server">{head}</table>']
     for svc, methods in figures.items():
         rows = ["<tr><th>method</th>" + "".join(f"<th>{c}</th>" for c in _COLUMNS) + "</tr>"]
+        plots = []
         for name, figs in methods.items():
             rows.append(f"<tr><td>{html.escape(name)}</td>"
                         + "".join(f"<td>{figs.get(c, '')}</td>" for c in _COLUMNS) + "</tr>")
+            var = f"rpc_server_{server.port}_{underscored(svc + '.' + name)}_latency"
+            plots.append(f"<h3>{html.escape(name)}</h3>" + _plots(server, var, f"{name} latency (us)"))
         parts.append(f'<h2>{html.escape(svc)}</h2><table class="service" data-service="{html.escape(svc)}">'
-                     + "".join(rows) + "</table>")
+                     + "".join(rows) + "</table>" + "".join(plots))
     return _reply(_page("status", "\n".join(parts)), _HTML)
 
 
@@ -203,10 +245,24 @@ def _vars(req: Request) -> HttpReply:
     globs = _globs(req)
     if isinstance(globs, HttpReply):
         return globs
-    found = [(n, v) for n, v in variables(req.server) if globs.matches(n)]
+    server = req.server
+    found = [(n, v) for n, v in variables(server) if globs.matches(n)]
+    one = found[0][0] if len(found) == 1 and found[0][0] == req.path else None  # /vars/<a name>
     if req.wants_json:
+        if one is not None and "series" in req.query:
+            s = server.series.get(one) if server.series is not None else None
+            return _json({"name": one, "value": found[0][1], "seconds": list(s.seconds) if s else [],
+                          "minutes": list(s.minutes) if s else []})
         return _json(dict(found))
-    return _text_or_html(req, "vars", "".join(f"{n} : {v}\n" for n, v in found))
+    if req.console:
+        return _reply("".join(f"{n} : {v}\n" for n, v in found))
+    if one is not None:
+        return _reply(_page(one, f"<p>{html.escape(one)} : {html.escape(str(found[0][1]))}</p>"
+                                 + _plots(server, one, one)), _HTML)
+    rows = "".join(f'<tr><th style="text-align:left"><a href="/vars/{urllib.parse.quote(n)}">{html.escape(n)}</a>'
+                   f"</th><td>{html.escape(str(v))}</td></tr>" for n, v in found)
+    return _reply(_page("vars", f"<p>Click a variable for its last 60 seconds and 60 minutes.</p>"
+                                f'<table class="vars">{rows}</table>'), _HTML)
 
 
 def prometheus_text(server) -> str:
@@ -300,7 +356,8 @@ _RPCZ_FIELDS = ("time", "trace_id", "span_id", "parent_span_id", "method", "peer
 def _rpcz(req: Request) -> HttpReply:
     server = req.server
     if server.rpcz is None:
-        return _reply("rpcz is off: start the server with ServerOptions(rpcz=True)\n", status=404)
+        # 200: / links here whatever the options, and a link that opens says why it is empty.
+        return _text_or_html(req, "rpcz", "rpcz is off: start the server with ServerOptions(rpcz=True)\n")
     rows = [dict(zip(_RPCZ_FIELDS, r)) for r in reversed(server.rpcz)]  # newest first
     want = req.query.get("trace_id")
     if want:
@@ -323,4 +380,5 @@ def _rpcz(req: Request) -> HttpReply:
 
 _ROUTES: dict[str, Callable[[Request], HttpReply]] = {
     "index": _index, "status": _status, "vars": _vars, "brpc_metrics": _metrics, "health": _health,
-    "version": _version, "flags": _flags, "protobufs": _protobufs, "connections": _connections, "rpcz": _rpcz}
+    "version": _version, "flags": _flags, "protobufs": _protobufs, "connections": _connections, "rpcz": _rpcz,
+    "favicon.ico": _favicon}

@@ -26,7 +26,9 @@ from ..stub import Servicer
 from ..tls import ServerTlsOptions, server_context
 from ..transport import memory
 from ..transport.tcp import RateLimitedLog, buffers_size
+from . import builtin
 from .connection import ServerConnection
+from .series import SeriesTable
 from .intercept import intercept
 from .inline import run_inline
 from .dispatch import (Registry, admission_error, error_response, exception_text, handler_failed, limit_error,
@@ -133,6 +135,8 @@ class Server:
         self.host = ""
         self.started_at = 0.0  # time.monotonic() at start()
         self.internal_port = 0  # where the builtin pages are, once started with options.internal_port >= 0
+        # Each numeric variable's last 60 s and 60 min, for the pages' plots (sampled by the housekeeper).
+        self.series = SeriesTable() if self.options.has_builtin_services else None
         # The last calls for /rpcz (options.rpcz): (wall time, trace_id, span_id, parent_span_id,
         # method, peer, latency_us, error_code, protocol)
         self.rpcz: collections.deque | None = (
@@ -310,7 +314,8 @@ class Server:
         task.add_done_callback(self._tasks.discard)
 
     async def _housekeeping(self) -> None:
-        """Every second (or idle_timeout_sec, if shorter): a connection with nothing in flight
+        """Every second (or idle_timeout_sec, if shorter): the variables are sampled for the
+        pages' plots (series.py), and a connection with nothing in flight
         for BLOCK_RELEASE_IDLE_S gives its read block back (256 KiB; the next read makes
         another), so idle connections cost little memory; past idle_timeout_sec one is closed."""
         limit = self.options.idle_timeout_sec
@@ -319,6 +324,8 @@ class Server:
         while True:
             await asyncio.sleep(period)
             now = loop.time()
+            if self.series is not None:
+                self.series.sample_if_due(now, read=self._variables)
             for conn in list(self.connections):
                 if conn.inflight:
                     continue
@@ -328,6 +335,9 @@ class Server:
                     conn.close()
                 elif idle >= BLOCK_RELEASE_IDLE_S:
                     conn.decoder.reader.rbuf.release()
+
+    def _variables(self) -> list:
+        return builtin.variables(self)
 
     def _add_grpc_services(self) -> None:
         """The builtin gRPC services options.grpc_health and grpc_reflection ask for, once."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 from html.parser import HTMLParser
 
 import pytest
@@ -233,3 +234,84 @@ async def test_a_prometheus_client_registry_collects_the_server(server):
     port = server.port
     assert f"rpc_server_{port}_interop_echo_service_echo_count 20.0" in text
     assert f'rpc_server_{port}_interop_echo_service_echo_latency{{quantile="0.99"}}' in text
+
+
+# -- plots: each variable's last 60 seconds and 60 minutes (series.py, plot.py) ------------------
+def sample(srv, n: int) -> None:
+    """Take `n` samples now, as the housekeeper does once a second."""
+    from aiobrpc.server import builtin
+    for _ in range(n):
+        srv.series.sample(builtin.variables(srv))
+
+
+async def test_a_variable_page_plots_its_last_60_seconds_and_60_minutes(server):
+    sample(server, 61)  # a minute of samples: one per-minute point
+    var = f"rpc_server_{server.port}_interop_echo_service_echo_count"
+    status, ctype, page = await get(server, f"/vars/{var}", BROWSER)
+    assert status == 200 and ctype == "text/html"
+    assert page.count("<svg") == 2 and "last 60 seconds" in page and "last 60 minutes" in page
+    assert page.count("<polyline") == 2 and "now: 20" in page  # 20 calls were made
+    _, _, listing = await get(server, "/vars", BROWSER)
+    assert f'href="/vars/{var}"' in listing  # a click on a name opens its plots
+    _, _, text = await get(server, f"/vars/{var}?format=json&series=1", CURL)
+    got = json.loads(text)
+    assert got["name"] == var and got["seconds"] == [20.0] * 60 and got["minutes"] == [20.0]
+
+
+async def test_a_plot_before_any_sample_says_so(server):
+    var = f"rpc_server_{server.port}_requests"
+    _, _, page = await get(server, f"/vars/{var}", BROWSER)
+    assert page.count("no samples yet") == 2 or page.count("<polyline") == 2  # the housekeeper may have sampled
+
+
+async def test_status_plots_each_methods_latency(server):
+    sample(server, 3)
+    _, _, page = await get(server, "/status", BROWSER)
+    assert "Echo latency (us)" in page and page.count("<svg") >= 2 * len(SERVICE.methods)
+
+
+async def test_the_server_samples_its_variables_every_second_by_itself(server):
+    for _ in range(100):  # the housekeeper's first tick comes a second after start
+        if server.series.samples:
+            break
+        await asyncio.sleep(0.1)
+    assert server.series.samples >= 1
+    assert server.series.get(f"rpc_server_{server.port}_requests") is not None
+
+
+def test_the_series_table_is_bounded():
+    from aiobrpc.server.series import MINUTES, SECONDS, SeriesTable
+    table = SeriesTable(max_series=3)
+    for i in range(200):
+        table.sample([(f"v{j}", float(i)) for j in range(10)] + [("text", "x"), ("flag", True), ("nan", float("nan"))])
+    assert sorted(table.series) == ["v0", "v1", "v2"]  # past max_series, names are not tracked
+    s = table.get("v0")
+    assert len(s.seconds) == SECONDS and list(s.seconds)[-1] == 199.0
+    assert len(s.minutes) == 3 <= MINUTES and list(s.minutes)[0] == sum(range(60)) / 60
+    assert table.sample_if_due(100.0, []) and not table.sample_if_due(100.5, []) and table.sample_if_due(101.0, [])
+
+
+async def test_the_pages_escape_names_and_never_plot_a_peers_pattern(server):
+    _, _, page = await get(server, "/vars/%3Cscript%3E*", BROWSER)
+    assert "<script>" not in page
+    _, _, page = await get(server, "/vars/rpc_server_*_requests", BROWSER)
+    assert "<svg" not in page  # a pattern lists; only a variable's own name plots
+
+
+async def test_every_link_of_the_index_opens_on_a_default_server(server):
+    _, _, page = await get(server, "/", BROWSER)
+    links = re.findall(r'<a href="([^"]+)"', page)
+    assert "/rpcz" in links and "/favicon.ico" not in links
+    for link in links:
+        status, _, body = await get(server, link, BROWSER)
+        assert status == 200, (link, status, body[:200])
+    def favicon():
+        c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        try:
+            c.request("GET", "/favicon.ico", headers=BROWSER)
+            r = c.getresponse()
+            return r.status, r.getheader("Content-Type"), r.read()
+        finally:
+            c.close()
+    status, ctype, icon = await asyncio.to_thread(favicon)
+    assert (status, ctype) == (200, "image/png") and icon.startswith(b"\x89PNG")  # a browser asks for it
