@@ -370,8 +370,8 @@ class P2P:
             return pb.Ack(error=f"rank {g.rank} posted no recv for rank {req.src}'s send of {req.numel} "
                                 f"{req.dtype} (tag {req.tag}) within {g.timeout:g} s", ranks=[g.rank],
                           timed_out=True)
-        if isinstance(r, CollectiveError):
-            return _refusal(r)
+        except CollectiveError as e:  # _set gave `ready` the error: the group broke, or a mismatch
+            return _refusal(e)
         why = self._mismatch(r, req)
         return self._fail_recv(r, req, why) if why else pb.Ack()
 

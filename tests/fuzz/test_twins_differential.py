@@ -8,6 +8,7 @@ both twins itself), the pure child skips it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -37,6 +38,10 @@ def test_compiled_and_pure_replay_the_same():
                     "AIOBRPC_NO_EXTENSIONS is set): there is no second twin to compare with")
     compiled, pure = _replay(False), _replay(True)
     assert compiled.keys() == pure.keys()
+    # A harness over real sockets and timers (fuzz/collective.py) says its outcomes may differ
+    # from run to run: its inputs are replayed above for findings, not compared.
+    compared = [h for h in compiled if getattr(importlib.import_module(f"fuzz.{h}"), "DIFFERENTIAL", True)]
+    assert len(compared) >= 10
     diffs = [f"{h}/{name}: compiled {out!r} pure {pure[h].get(name)!r}"
-             for h, outcomes in compiled.items() for name, out in outcomes.items() if pure[h].get(name) != out]
+             for h in compared for name, out in compiled[h].items() if pure[h].get(name) != out]
     assert not diffs, "the twins differ:\n" + "\n".join(diffs[:20])
