@@ -22,9 +22,9 @@ Req = interop_pb2.EchoRequest
 SVC = "interop.EchoService"
 
 
-def bad_request() -> Req:
+def bad_request(payload: bytes = b"") -> Req:
     """An interop.EchoRequest whose `message` is the bytes b"\\xcf[" (not UTF-8), as a peer sends it."""
-    raw = Req(message="ab").SerializeToString().replace(b"ab", b"\xcf[")
+    raw = Req(message="ab", payload=payload).SerializeToString().replace(b"\x0a\x02ab", b"\x0a\x02\xcf[")
     req = Req.FromString(raw)
     assert req.message == b"\xcf["  # protobuf's own behaviour this file guards against
     return req
@@ -78,12 +78,13 @@ async def server():
     await srv.join(timeout=2)
 
 
+@pytest.mark.parametrize("payload", [b"", b"p" * 5000], ids=["small", "over-4KiB"])  # the ASCII shortcut, or not
 @pytest.mark.parametrize("protocol", ["baidu_std", "grpc"])
-async def test_a_request_with_a_bad_string_is_erequest_and_never_handled(server, protocol):
+async def test_a_request_with_a_bad_string_is_erequest_and_never_handled(server, protocol, payload):
     srv, servicer = server
     async with aiobrpc.Channel(f"127.0.0.1:{srv.port}", aiobrpc.ChannelOptions(protocol=protocol, max_retry=0)) as ch:
         with pytest.raises(aiobrpc.RpcError) as ei:
-            await ch.call_method(SVC, "Echo", bad_request(), interop_pb2.EchoResponse)
+            await ch.call_method(SVC, "Echo", bad_request(payload), interop_pb2.EchoResponse)
         # gRPC carries EREQUEST as INVALID_ARGUMENT, which a gRPC client reads as EINVAL
         assert ei.value.code == (errors.EREQUEST if protocol == "baidu_std" else errors.EINVAL)
         assert "string field message is not UTF-8" in ei.value.text
@@ -114,15 +115,19 @@ class BadReplyEcho(aiobrpc.Servicer):
 
     SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
 
+    def __init__(self, padding: str = "") -> None:
+        self.padding = padding
+
     async def Echo(self, request, cntl):
-        raw = interop_pb2.EchoResponse(message="ab").SerializeToString().replace(b"ab", b"\xcf[")
-        return interop_pb2.EchoResponse.FromString(raw)
+        raw = interop_pb2.EchoResponse(message="ab", user_fields=[self.padding]).SerializeToString()
+        return interop_pb2.EchoResponse.FromString(raw.replace(b"\x0a\x02ab", b"\x0a\x02\xcf["))
 
 
+@pytest.mark.parametrize("padding", ["", "p" * 5000], ids=["small", "over-4KiB"])
 @pytest.mark.parametrize("protocol", ["baidu_std", "grpc"])
-async def test_a_reply_with_a_bad_string_fails_its_call_eresponse(protocol):
+async def test_a_reply_with_a_bad_string_fails_its_call_eresponse(protocol, padding):
     srv = aiobrpc.Server()
-    srv.add_service(BadReplyEcho())
+    srv.add_service(BadReplyEcho(padding))
     await srv.start("127.0.0.1:0")
     try:
         async with aiobrpc.Channel(f"127.0.0.1:{srv.port}",
