@@ -371,7 +371,8 @@ class P2P:
                                 f"{req.dtype} (tag {req.tag}) within {g.timeout:g} s", ranks=[g.rank],
                           timed_out=True)
         except CollectiveError as e:  # _set gave `ready` the error: the group broke, or a mismatch
-            return _refusal(e)
+            # An error naming no rank (this group was closed): to the sender, this rank is gone.
+            return _refusal(e if e.ranks else CollectiveError(str(e), (g.rank,)))
         why = self._mismatch(r, req)
         return self._fail_recv(r, req, why) if why else pb.Ack()
 
