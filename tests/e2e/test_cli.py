@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -178,9 +177,7 @@ def test_the_demo_needs_only_the_base_install(env, twin):
 
 
 def test_demo_prints_a_summary(env, twin):
-    start = time.monotonic()
     done = run_cli(env, "demo", "--seconds", "1", "--concurrency", "8", "--size", "64")
-    assert time.monotonic() - start < 1 + 4
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for word in ("QPS", "p50", "p99", "max", "MB/s"):
