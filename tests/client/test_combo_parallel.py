@@ -279,7 +279,7 @@ async def test_the_deadline_fails_the_call_with_erpctimedout_at_fail_limit(shard
         with pytest.raises(aiobrpc.RpcError) as info:
             await echo(pchan, cntl)
         elapsed = time.monotonic() - t
-    assert info.value.code == errors.ERPCTIMEDOUT and 0.09 <= elapsed < 0.3
+    assert info.value.code == errors.ERPCTIMEDOUT and elapsed >= 0.09
     assert info.value.text == "Reached timeout=100ms @ParallelChannel"
 
 
