@@ -2,30 +2,44 @@
 
 The kernels of aiobrpc/_fast are .pyx files; the modules of the call path listed in
 aiobrpc/_compiled.py are .py files that Cython compiles in place (pure-Python mode). Set
-AIOBRPC_NO_EXTENSIONS=1 to install without compiling (everything then runs as Python).
+AIOBRPC_NO_EXTENSIONS=1 to install without compiling (everything then runs as Python); where
+compiling fails (no C compiler, no Python headers) the pure-Python build is installed too,
+with one line saying why (docs/install.md).
 """
 
 import ast
 import os
+import sys
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, CompileError, ExecError, PlatformError
 
-NO_COMPILER_HINT = (
-    "aiobrpc could not compile its Cython extension {name} ({error}). Install a C compiler and "
-    "the Python headers (Debian: apt-get install gcc python3-dev), or install the pure-Python "
-    "package without compiling: AIOBRPC_NO_EXTENSIONS=1 pip install ...")
+PURE_FALLBACK = (
+    "aiobrpc: the pure-Python build is installed, because its Cython extensions could not be "
+    "compiled ({error}); it works the same, only slower. For the compiled build install a C "
+    "compiler and the Python headers (Debian: apt-get install gcc python3-dev) and reinstall.")
+BUILD_ERRORS = (CCompilerError, CompileError, ExecError, PlatformError, OSError)
 
 
-class BuildExtOrExplain(build_ext):
-    """build_ext whose failure says how to install without a compiler."""
+class BuildExtOrPure(build_ext):
+    """build_ext that falls back to the pure-Python build when the extensions cannot be compiled.
 
-    def build_extension(self, ext):
+    All or nothing: a class compiled in one module and pure in another would not mix
+    (aiobrpc/_compiled.py), so after any failure the extensions already built are removed and
+    the package installs as its pure twin, with one line saying so.
+    """
+
+    def run(self):
         try:
-            super().build_extension(ext)
-        except (CCompilerError, CompileError, ExecError, PlatformError) as e:
-            raise SystemExit(NO_COMPILER_HINT.format(name=ext.name, error=e)) from e
+            super().run()
+        except BUILD_ERRORS as e:
+            for path in self.get_outputs():
+                if os.path.exists(path):
+                    os.remove(path)
+            self.extensions = []
+            error = " ".join(str(e).split()) or type(e).__name__
+            print(PURE_FALLBACK.format(error=error), file=sys.stderr, flush=True)
 
 
 def compiled_in_place() -> list[str]:
@@ -57,4 +71,4 @@ if os.environ.get("AIOBRPC_NO_EXTENSIONS", "") in ("", "0"):
         compiler_directives={"language_level": "3", "annotation_typing": False},
     )
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtOrExplain})
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtOrPure})
