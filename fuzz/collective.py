@@ -20,6 +20,7 @@ it; no traceback logged; nothing left running once the group is closed.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import shutil
 import tempfile
 
@@ -169,8 +170,6 @@ def one_input(data: bytes) -> str:
 def _cleanup() -> None:
     shutil.rmtree(_tmp, ignore_errors=True)
 
-
-import atexit  # noqa: E402
 
 atexit.register(_cleanup)
 

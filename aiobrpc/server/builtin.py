@@ -8,6 +8,7 @@ table. Nothing here reads a file or runs anything a URL names: an unknown path i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import json
 import os
@@ -190,11 +191,13 @@ def _png(width: int, height: int, rgba: bytes) -> bytes:
             + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
 
 
-_FAVICON = _png(16, 16, b"\x4c\x72\xb0\xff")  # a blue square: a browser asks for it on every page
+@functools.cache  # made on the first request, not at import
+def _favicon_png() -> bytes:
+    return _png(16, 16, b"\x4c\x72\xb0\xff")  # a blue square: a browser asks for it on every page
 
 
 def _favicon(req: Request) -> HttpReply:
-    return HttpReply(200, [("Content-Type", "image/png"), ("Cache-Control", "max-age=86400")], _FAVICON)
+    return HttpReply(200, [("Content-Type", "image/png"), ("Cache-Control", "max-age=86400")], _favicon_png())
 
 
 def _version(req: Request) -> HttpReply:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import aiobrpc
 from aiobrpc._proto import interop_pb2
+from tests.e2e.test_http import fetch
 from tests.helpers.interop_server import SERVICE, InteropEcho
 
 SVC = "interop.EchoService"
@@ -305,13 +306,6 @@ async def test_every_link_of_the_index_opens_on_a_default_server(server):
     for link in links:
         status, _, body = await get(server, link, BROWSER)
         assert status == 200, (link, status, body[:200])
-    def favicon():
-        c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
-        try:
-            c.request("GET", "/favicon.ico", headers=BROWSER)
-            r = c.getresponse()
-            return r.status, r.getheader("Content-Type"), r.read()
-        finally:
-            c.close()
-    status, ctype, icon = await asyncio.to_thread(favicon)
+    status, headers, icon = await fetch(server, "GET", "/favicon.ico", headers=BROWSER)
+    ctype = dict(headers).get("Content-Type")
     assert (status, ctype) == (200, "image/png") and icon.startswith(b"\x89PNG")  # a browser asks for it

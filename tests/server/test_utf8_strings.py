@@ -4,9 +4,6 @@ baidu_std, HTTP and gRPC; never written as JSON (the fuzz finding `regress_inval
 
 from __future__ import annotations
 
-import asyncio
-import http.client
-
 import pytest
 from google.protobuf import descriptor_pb2, struct_pb2
 from google.protobuf.message import EncodeError
@@ -16,6 +13,7 @@ from aiobrpc import errors
 from aiobrpc._proto import echo_pb2, interop_pb2
 from aiobrpc.protocol import content, utf8
 from aiobrpc.server import http_rpc
+from tests.e2e.test_http import fetch
 from tests.helpers.interop_server import InteropEcho
 
 Req = interop_pb2.EchoRequest
@@ -96,16 +94,8 @@ async def test_a_request_with_a_bad_string_is_erequest_and_never_handled(server,
 async def test_an_http_proto_body_with_a_bad_string_is_400_and_never_handled(server):
     srv, servicer = server
 
-    def post():
-        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
-        try:
-            c.request("POST", f"/{SVC}/Echo", body=bad_request().SerializeToString(),
-                      headers={"Content-Type": "application/proto"})
-            r = c.getresponse()
-            return r.status, r.read()
-        finally:
-            c.close()
-    status, body = await asyncio.to_thread(post)
+    status, _, body = await fetch(srv, "POST", f"/{SVC}/Echo", bad_request().SerializeToString(),
+                                  {"Content-Type": "application/proto"})
     assert status == 400 and b"string field message is not UTF-8" in body
     assert servicer.calls_served == 0
 
