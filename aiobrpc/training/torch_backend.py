@@ -441,7 +441,16 @@ def _create(common: Any, backend_options: Any = None) -> AiobrpcProcessGroup:
     """torch's extended creator API: `common` is a `_DistributedBackendOptions` (store, group
     rank and size, timeout, the group's name)."""
     return AiobrpcProcessGroup(common.store, common.group_rank, common.group_size, common.timeout,
-                               group_name=str(common.group_id), host=listen_host())
+                               group_name=str(common.group_id), host=listen_host(), prefix=store_prefix())
+
+
+def store_prefix() -> str:
+    """Where the group's rendezvous keys go in torch's store: one place per torchrun attempt.
+    torchrun (2.13, --standalone) hands the workers of a restart the same store as the attempt
+    before, keys and all: without this, a restarted rank reads the dead attempt's addresses
+    (gloo's restart fails that way: connectFullMesh is refused)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return f"aiobrpc/attempt_{attempt}" if attempt and attempt.isdigit() else "aiobrpc"
 
 
 def allreduce_hook(state, bucket):  # no annotations: DDP compares them with its own types

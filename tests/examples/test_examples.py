@@ -114,6 +114,10 @@ RUN_WITHOUT = ("import runpy, sys; sys.modules[sys.argv[1]] = None; sys.argv = s
     ("grpc_chat.py", "grpc", "grpcio is not installed: pip install grpcio"),
     ("train_three_ways.py", "torch", "torch is not installed: pip install torch (the 'train' extra pins it for "
                                      "Python 3.11)"),
+    ("pipeline_parallel.py", "torch", "torch is not installed: pip install torch (the 'train' extra pins it for "
+                                      "Python 3.11)"),
+    ("fsdp_train.py", "torch", "torch is not installed: pip install torch (the 'train' extra pins it for "
+                               "Python 3.11)"),
 ])
 def test_an_example_says_which_optional_package_is_missing(env, name, module, hint):
     r = subprocess.run([sys.executable, "-c", RUN_WITHOUT, module, str(EXAMPLES / name)], cwd=ROOT, env=env,
@@ -229,3 +233,37 @@ def test_train_three_ways_quick(env, twin, tmp_path):
     assert all(d < 1e-4 for d in differences), r.stdout
     assert lines[7:] == [f"plot: {plot}"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("stages, schedule", [(2, "1f1b"), (3, "gpipe")])
+def test_pipeline_parallel_trains_what_one_process_trains(env, stages, schedule):
+    pytest.importorskip("torch", reason=TORCH_MISSING)
+    r = subprocess.run([sys.executable, str(EXAMPLES / "pipeline_parallel.py"), "--stages", str(stages),
+                        "--schedule", schedule, "--steps", "6"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[:6]] == [["step", str(k)] for k in range(6)], r.stdout
+    m = re.fullmatch(rf"{stages} stages, {schedule}: every stage moved \(at least (\S+) from its initial weights\); "
+                     r"the largest difference from the model trained in one process is (\S+) \(within float rounding\)",
+                     lines[6])
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) <= 1e-5, r.stdout
+
+
+def test_fsdp_train_resumes_after_a_killed_rank_to_the_same_parameters(env):
+    """torchrun --max-restarts=1: the last rank dies in step 6, every rank is started again,
+    loads the checkpoint of step 5 and ends where an uninterrupted run ends, bit for bit."""
+    pytest.importorskip("torch", reason=TORCH_MISSING)
+    r = subprocess.run([sys.executable, str(EXAMPLES / "fsdp_train.py"), "--steps", "8", "--kill-at", "5"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    out = r.stdout
+    assert "attempt 0: rank 1 exits in step 5" in out
+    assert "attempt 1: resumed from the checkpoint of step 4" in out
+    assert "attempt 1: step 4 loss" not in out and "attempt 1: step 7 loss" in out
+    # the peer's pending collective failed naming the dead rank (its traceback is torchrun's stderr)
+    assert re.search(r"CollectiveError: .* failed on rank 0: rank 1 \(127\.0\.0\.1:\d+\)", r.stderr), r.stderr[-4000:]
+    assert out.splitlines()[-1] == "the restarted run ends with the same parameters as the uninterrupted one, bit for bit"
+    restarted = re.findall(r"attempt 1: step (\d+) loss (\S+)", out)
+    uninterrupted = dict(re.findall(r"attempt 0: step (\d+) loss (\S+)", out.split("== uninterrupted")[1]))
+    assert restarted and all(uninterrupted[step] == loss for step, loss in restarted)
