@@ -28,18 +28,52 @@ Req = interop_pb2.EchoRequest
 
 
 class Shard(InteropEcho):
-    """InteropEcho that records the messages it was sent, and may answer `delay_ms` late."""
+    """InteropEcho that records the messages it was sent, and may answer `delay_ms` late, or
+    only once its `gate` (an asyncio.Event, None: no gate) is set."""
 
     def __init__(self, delay_ms: int = 0) -> None:
         super().__init__()
         self.delay_ms = delay_ms
         self.messages: list[str] = []
+        self.gate: asyncio.Event | None = None
 
     async def Echo(self, request, cntl):
         self.messages.append(request.message)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.delay_ms:
             await asyncio.sleep(self.delay_ms / 1000)
         return await super().Echo(request, cntl)
+
+
+@contextlib.contextmanager
+def held(shards, *indices):
+    """The shards at `indices` answer nothing until the block ends: a sub-call to one of them
+    ends only when the channel ends it, however fast or slow the machine is."""
+    gates = []
+    for i in indices:
+        shards[i][1].gate = asyncio.Event()
+        gates.append(shards[i][1].gate)
+    try:
+        yield
+    finally:
+        for i, gate in zip(indices, gates):
+            gate.set()
+            shards[i][1].gate = None
+
+
+# A guard against a hang only: a call that should end at once (or at its deadline) and waits
+# for a held shard instead never ends.
+HANG_S = 10.0
+
+
+async def until(predicate, timeout: float = HANG_S) -> None:
+    """Wait for `predicate()` to hold."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < end, f"not true within {timeout}s"
+        await asyncio.sleep(0.005)
 
 
 @pytest_asyncio.fixture
@@ -110,7 +144,7 @@ async def test_each_sub_channel_gets_its_request_and_responses_merge_in_channel_
     assert sub_controller(cntl, 3) is None and sub_controller(cntl, -1) is None
     assert cntl.sub_count() == 3 and all(cntl.sub(i) is sub_controller(cntl, i) for i in range(3))
     assert cntl.sub(3) is None and cntl.sub(-1) is None
-    assert 60_000 <= cntl.latency_us < 500_000
+    assert cntl.latency_us >= 60_000  # the call waited for channel 0's late answer
 
 
 async def test_without_mapper_and_merger_the_request_is_broadcast_and_merged_with_merge_from(shards):
@@ -196,16 +230,14 @@ async def test_partial_failures_below_fail_limit_succeed(shards):
 
 
 async def test_reaching_fail_limit_fails_at_once_and_cancels_the_others(shards):
-    mapper = Tagged(c0={"sleep_ms": 400}, c1={"fail_code": errors.EINTERNAL, "fail_text": "boom"},
-                    c2={"sleep_ms": 400})
+    mapper = Tagged(c1={"fail_code": errors.EINTERNAL, "fail_text": "boom"})
     async with pchan_over(shards, mapper, Concat(), fail_limit=1) as pchan:
         cntl = aiobrpc.Controller()
-        t = time.monotonic()
-        with pytest.raises(aiobrpc.RpcError) as info:
-            await echo(pchan, cntl)
-        elapsed = time.monotonic() - t
+        # Channels 0 and 2 never answer while held: the call ends only if the failure ends it.
+        with held(shards, 0, 2), pytest.raises(aiobrpc.RpcError) as info:
+            await asyncio.wait_for(echo(pchan, cntl), HANG_S)
     # The cancelled sub-calls count as failures; ECANCELED does not make the code.
-    assert info.value.code == errors.EINTERNAL and elapsed < 0.3
+    assert info.value.code == errors.EINTERNAL
     text = info.value.text
     assert text.startswith("3/3 channels failed, fail_limit=1 [C0]Cancelled: fail_limit=1 reached [C1]")
     assert "boom [C2]Cancelled: fail_limit=1 reached" in text
@@ -241,13 +273,11 @@ async def test_a_fail_limit_above_the_sub_calls_made_is_clamped(shards):
 
 
 async def test_success_limit_ends_the_call_early_and_finishes_the_rest(shards):
-    mapper = Tagged(c0={"sleep_ms": 400}, c2={"sleep_ms": 400})
-    async with pchan_over(shards, mapper, Concat(), success_limit=1) as pchan:
+    async with pchan_over(shards, Tagged(), Concat(), success_limit=1) as pchan:
         cntl = aiobrpc.Controller()
-        t = time.monotonic()
-        resp = await echo(pchan, cntl, message="s")
-        elapsed = time.monotonic() - t
-    assert resp.message == "s-1" and elapsed < 0.3 and not cntl.failed
+        with held(shards, 0, 2):  # they never answer while held: the one success ends the call
+            resp = await asyncio.wait_for(echo(pchan, cntl, message="s"), HANG_S)
+    assert resp.message == "s-1" and not cntl.failed
     for i in (0, 2):
         sub = sub_controller(cntl, i)
         assert sub.error_code == errors.EPCHANFINISH and "success_limit=1 reached" in sub.error_text
@@ -260,24 +290,25 @@ async def test_success_limit_is_ignored_when_fail_limit_is_set(shards):
 
 # -- deadlines -------------------------------------------------------------------------------------
 async def test_the_deadline_cancels_sub_calls_and_the_call_succeeds_below_fail_limit(shards):
-    async with pchan_over(shards, Tagged(c2={"sleep_ms": 400}), Concat(), timeout_ms=100) as pchan:
+    async with pchan_over(shards, Tagged(), Concat(), timeout_ms=100) as pchan:
         cntl = aiobrpc.Controller()
         t = time.monotonic()
-        resp = await echo(pchan, cntl, message="d")
+        with held(shards, 2):  # channel 2 never answers: only the deadline ends its sub-call
+            resp = await asyncio.wait_for(echo(pchan, cntl, message="d"), HANG_S)
         elapsed = time.monotonic() - t
     assert resp.message == "d-0|d-1" and not cntl.failed  # brpc: 1 failure < fail_limit 3
-    assert 0.09 <= elapsed < 0.3
+    assert elapsed >= 0.09  # not before the deadline
     late = sub_controller(cntl, 2)
     assert late.error_code == errors.ECANCELED and "deadline of the ParallelChannel" in late.error_text
     assert late.timeout_ms == -1  # sub-calls have no deadline of their own
 
 
 async def test_the_deadline_fails_the_call_with_erpctimedout_at_fail_limit(shards):
-    async with pchan_over(shards, Tagged(c2={"sleep_ms": 400}), Concat(), fail_limit=1) as pchan:
+    async with pchan_over(shards, Tagged(), Concat(), fail_limit=1) as pchan:
         cntl = aiobrpc.Controller(timeout_ms=100)  # the controller's timeout wins over the options'
         t = time.monotonic()
-        with pytest.raises(aiobrpc.RpcError) as info:
-            await echo(pchan, cntl)
+        with held(shards, 2), pytest.raises(aiobrpc.RpcError) as info:  # only the deadline ends it
+            await asyncio.wait_for(echo(pchan, cntl), HANG_S)
         elapsed = time.monotonic() - t
     assert info.value.code == errors.ERPCTIMEDOUT and elapsed >= 0.09
     assert info.value.text == "Reached timeout=100ms @ParallelChannel"
@@ -317,15 +348,17 @@ async def test_each_sub_channel_retries_as_its_options_say_unless_the_call_sets_
 
 # -- cancellation ----------------------------------------------------------------------------------
 async def test_cancelling_the_caller_cancels_every_sub_call(shards):
-    async with pchan_over(shards, Tagged(c0={"sleep_ms": 400}, c1={"sleep_ms": 400}), Concat()) as pchan:
+    async with pchan_over(shards, Tagged(), Concat()) as pchan:
         cntl = aiobrpc.Controller()
-        task = asyncio.ensure_future(echo(pchan, cntl))
-        await asyncio.sleep(0.05)
-        t = time.monotonic()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert time.monotonic() - t < 0.2
+        with held(shards, 0, 1):  # channels 0 and 1 never answer while held
+            task = asyncio.ensure_future(echo(pchan, cntl))
+            # Channels 0 and 1 have the request, channel 2's sub-call is over (latency_us is set at its end).
+            await until(lambda: shards[0][1].messages and shards[1][1].messages
+                        and sub_controller(cntl, 2) is not None and sub_controller(cntl, 2).latency_us > 0)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, HANG_S)  # ends without the held answers
     assert cntl.error_code == errors.ECANCELED
     assert [sub_controller(cntl, i).error_code for i in range(3)] == [errors.ECANCELED, errors.ECANCELED, 0]
 

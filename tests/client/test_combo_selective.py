@@ -14,6 +14,7 @@ from aiobrpc import errors
 from aiobrpc.client.combo import SelectiveChannel, sub_controller, sub_count
 from aiobrpc.client.lb import LoadBalancer
 from aiobrpc.errors import RpcError
+from tests.client.test_combo_parallel import HANG_S, held, until
 from tests.client.test_combo_parallel import Shard, channel_to, dead_port, echo, shards  # noqa: F401  (fixture)
 
 
@@ -122,31 +123,29 @@ async def test_the_deadline_covers_every_sub_call(shards):
     async with schan_over([s for s, _ in shards], timeout_ms=100) as schan:
         cntl = aiobrpc.Controller()
         t = time.monotonic()
-        with pytest.raises(RpcError) as info:
-            await echo(schan, cntl, sleep_ms=400)
+        with held(shards, 0, 1, 2), pytest.raises(RpcError) as info:  # no answer: only the deadline ends it
+            await asyncio.wait_for(echo(schan, cntl), HANG_S)
         elapsed = time.monotonic() - t
         assert (info.value.code, info.value.text) == (errors.ERPCTIMEDOUT, "Reached timeout=100ms @SelectiveChannel")
-        assert 0.09 <= elapsed < 0.3
+        assert elapsed >= 0.09  # not before the deadline
         assert sub_controller(cntl, 0).timeout_ms == -1  # no deadline of its own
-        cntl = aiobrpc.Controller(timeout_ms=600)  # the controller's wins
-        assert (await echo(schan, cntl, sleep_ms=150)).message == "m"
+        cntl = aiobrpc.Controller(timeout_ms=10_000)  # the controller's wins: the answer after 300 ms is in time
+        assert (await echo(schan, cntl, sleep_ms=300)).message == "m"
 
 
 async def test_the_backup_request_goes_to_another_sub_channel_and_the_first_answer_wins(shards):
-    shards[0][1].delay_ms = 400
     lb = InOrder()
     async with schan_over([s for s, _ in shards[:2]], lb, backup_request_ms=50) as schan:
-        cntl = aiobrpc.Controller()
-        t = time.monotonic()
-        assert (await echo(schan, cntl, message="k")).message == "k"
-        assert time.monotonic() - t < 0.3
-        assert cntl.has_backup_request and cntl.retried_count == 1
-        assert cntl.remote_side == f"127.0.0.1:{shards[1][0].port}"
-        assert shards[0][1].messages == ["k"] and shards[1][1].messages == ["k"]
-        no_retry = aiobrpc.Controller(max_retry=0)
-        with pytest.raises(RpcError) as info:
-            await echo(schan, no_retry)
-        assert info.value.code == errors.EBACKUPREQUEST  # brpc: the backup timer with no retry left
+        with held(shards, 0):  # the first sub-channel never answers: only the backup request can
+            cntl = aiobrpc.Controller()
+            assert (await asyncio.wait_for(echo(schan, cntl, message="k"), HANG_S)).message == "k"
+            assert cntl.has_backup_request and cntl.retried_count == 1
+            assert cntl.remote_side == f"127.0.0.1:{shards[1][0].port}"
+            assert shards[0][1].messages == ["k"] and shards[1][1].messages == ["k"]
+            no_retry = aiobrpc.Controller(max_retry=0)
+            with pytest.raises(RpcError) as info:
+                await asyncio.wait_for(echo(schan, no_retry), HANG_S)
+            assert info.value.code == errors.EBACKUPREQUEST  # brpc: the backup timer with no retry left
     # The balancer hears every attempt's end once: the winner, the loser of the race, the last one.
     assert lb.feedback_seen == [("sub-channel-2", 0), ("sub-channel-1", errors.EBACKUPREQUEST),
                                 ("sub-channel-1", errors.EBACKUPREQUEST)]
@@ -155,12 +154,13 @@ async def test_the_backup_request_goes_to_another_sub_channel_and_the_first_answ
 async def test_cancelling_the_caller_cancels_the_sub_call(shards):
     async with schan_over([s for s, _ in shards]) as schan:
         cntl = aiobrpc.Controller()
-        task = asyncio.ensure_future(echo(schan, cntl, sleep_ms=400))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await asyncio.sleep(0)
+        with held(shards, 0, 1, 2):  # no answer while held: the sub-call is in flight when cancelled
+            task = asyncio.ensure_future(echo(schan, cntl))
+            await until(lambda: any(s.messages for _, s in shards))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, HANG_S)
+            await asyncio.sleep(0)
     assert cntl.error_code == errors.ECANCELED and sub_controller(cntl, 0).error_code == errors.ECANCELED
 
 

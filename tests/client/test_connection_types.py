@@ -114,20 +114,25 @@ async def test_pooled_pool_size_zero_closes_every_connection_after_its_call(echo
 
 async def test_pooled_idle_connections_close_after_the_idle_timeout(echo):
     server, _ = echo
-    channel, stub = stub_for(server, connection_type="pooled", pool_idle_timeout_s=0.2)
+    timeout = 0.4
+    channel, stub = stub_for(server, connection_type="pooled", pool_idle_timeout_s=timeout)
     pool = channel._single
     loop = asyncio.get_running_loop()
     await echo_all(stub, 4, sleep_ms=10)
-    t0 = loop.time()
     assert pool.idle_count() == 4 and len(server.connections) == 4
-    # A connection used again after 0.1 s is idle since then: the first sweep (at 0.2 s) keeps it.
+    first_sweep = pool._idle_timer.when()  # armed by the first release: its time + the timeout
+    # A connection used again before the first sweep is idle since then: that sweep keeps it.
     await asyncio.sleep(0.1)
     assert (await stub.Echo(Req(message="again"))).message == "again"
-    await until(lambda: len(server.connections) == 1, timeout=0.5)
-    assert 0.19 < loop.time() - t0 < 0.28  # closed at the timeout, not at the next sweep
+    since = pool._idle[-1][1]
+    assert since < first_sweep  # it was back in the pool before the first sweep (else this tests nothing)
+    await until(lambda: len(server.connections) == 1, timeout=10)
+    assert loop.time() >= first_sweep - 0.002  # the others closed at their timeout, not before
     assert pool.idle_count() == 1 and server.stats.connections_accepted == 4
-    await until(lambda: not server.connections, timeout=0.5)
-    assert 0.29 < loop.time() - t0 < 0.4
+    # The next sweep is armed for the kept connection's own timeout, not a whole timeout after the first.
+    assert pool._idle_timer.when() == pytest.approx(since + timeout, abs=0.002)
+    await until(lambda: not server.connections, timeout=10)
+    assert loop.time() >= since + timeout - 0.002
     assert pool.idle_count() == 0 and channel.connection_count() == 0
     # A new call after the pool emptied connects again.
     assert (await stub.Echo(Req(message="new"))).message == "new"

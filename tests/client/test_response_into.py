@@ -11,8 +11,11 @@ import pytest
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
+from aiobrpc.protocol import baidu_std
 from aiobrpc.protocol.placement import PlacingDecoder
 from tests.helpers.interop_server import SERVICE
+from tests.helpers.peers import FakeServer
+from tests.helpers.wire import frame, rpc_meta
 
 N = 1 << 18  # float32 elements: 1 MiB
 
@@ -82,25 +85,62 @@ async def test_another_size_or_a_small_one_is_received_as_usual(served):
         assert not np.any(dest)  # untouched
 
 
-async def test_after_a_timeout_the_array_is_never_written(served):
+def _reply(cid: int, attachment: bytes) -> bytes:
+    meta = rpc_meta(service=None, method=None, correlation_id=cid, attachment_size=len(attachment))
+    return frame(meta, interop_pb2.EchoResponse(message="x").SerializeToString() + attachment)
+
+
+async def test_after_a_timeout_the_array_is_never_written():
     """The reply of a call that timed out is dropped; were it being received into the caller's
     array, what is left of it goes elsewhere. Here the reply is 16 MiB and the deadline falls
-    while it arrives (a reader paused by a slow loop is simulated with a tiny socket buffer)."""
-    src, channel, stub = served
+    while it arrives, however fast the machine: a fake server sends its first MiB, and the rest
+    only when the next request comes, once the call has timed out."""
     big = 4 << 20  # float32: 16 MiB
-    dest = np.zeros(big, np.float32)
-    cntl = aiobrpc.Controller(response_attachment_into=dest, timeout_ms=50)
-    call = asyncio.ensure_future(stub.Echo(interop_pb2.EchoRequest(message=str(big), sleep_ms=30), cntl))
-    with pytest.raises(aiobrpc.RpcError) as e:
-        await call
-    assert e.value.code == errors.ERPCTIMEDOUT
-    snapshot = dest.copy()
-    await asyncio.sleep(0.3)  # the rest of the reply arrives meanwhile, and is dropped
-    assert np.array_equal(dest, snapshot)
-    # the connection is fine for the next call
-    dest2 = np.zeros(N, np.float32)
-    await stub.Echo(interop_pb2.EchoRequest(message="x"), aiobrpc.Controller(response_attachment_into=dest2))
-    assert dest2[1] != 0
+    first = 1 << 18  # float32: the first MiB
+    dec = baidu_std.Decoder(baidu_std.SERVER)
+    cids = []
+    rest = []
+
+    def on_data(writer, data):
+        dec.feed(data)
+        for ev in dec.events():
+            cid = ev.meta.correlation_id
+            cids.append(cid)
+            if len(cids) == 1:
+                reply = _reply(cid, (np.arange(big, dtype=np.float32) + 1).tobytes())
+                head = len(reply) - (big - first) * 4  # the frame up to the end of the first MiB
+                writer.write(reply[:head])
+                rest.append(reply[head:])
+            else:  # the rest of the first reply, then this one's
+                writer.write(rest.pop())
+                writer.write(_reply(cid, (np.arange(N, dtype=np.float32) + 7).tobytes()))
+
+    async with FakeServer(on_data) as peer:
+        channel = aiobrpc.Channel(f"127.0.0.1:{peer.port}", aiobrpc.ChannelOptions(timeout_ms=5000, max_retry=0))
+        stub = aiobrpc.Stub(channel, SERVICE)
+        dest = np.zeros(big, np.float32)
+        # The deadline only has to come after the first MiB landed (1 s: ample); the rest never comes before it.
+        cntl = aiobrpc.Controller(response_attachment_into=dest, timeout_ms=1000)
+        call = asyncio.ensure_future(stub.Echo(interop_pb2.EchoRequest(message=str(big)), cntl))
+        for _ in range(1000):
+            if dest[first - 1] != 0 or call.done():
+                break
+            await asyncio.sleep(0.001)
+        assert dest[first - 1] == first and not call.done()  # the first MiB landed in the array; the call waits
+        with pytest.raises(aiobrpc.RpcError) as e:
+            await call
+        assert e.value.code == errors.ERPCTIMEDOUT
+        snapshot = dest.copy()
+        assert np.array_equal(snapshot[:first], np.arange(first, dtype=np.float32) + 1)
+        # The next call brings the rest of the first reply, dropped, before its own: once it is
+        # answered, all of the first reply came.
+        dest2 = np.zeros(N, np.float32)
+        await stub.Echo(interop_pb2.EchoRequest(message="x"), aiobrpc.Controller(response_attachment_into=dest2))
+        assert np.array_equal(dest2, np.arange(N, dtype=np.float32) + 7)  # the connection is fine for it
+        assert np.array_equal(dest, snapshot)  # not written after the timeout
+        assert not np.any(dest[first:])
+        assert len(cids) == 2
+        await channel.close()
 
 
 def test_the_buffer_is_checked():

@@ -66,8 +66,9 @@ async def test_bad_frames_close_without_reply(server, data, reason, caplog):
 async def test_a2_partial_magic_closed_at_first_frame_timeout(server):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    got, closed = await raw_exchange(server.port, b"PR", read_timeout=2.0)
-    assert closed and got == b"" and 0.25 < loop.time() - t0 < 1.5
+    # read_timeout only guards against a hang: the close's reason says which timer closed it.
+    got, closed = await raw_exchange(server.port, b"PR", read_timeout=10.0)
+    assert closed and got == b"" and loop.time() - t0 > 0.25  # not before first_frame_timeout_sec=0.3
     assert server.stats.closed["first_frame_timeout"] == 1
 
 

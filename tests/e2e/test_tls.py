@@ -191,10 +191,14 @@ async def test_i7_a_silent_server_fails_within_the_handshake_timeout(pki):
     took = loop.time() - t0
     await ch.close()
     listener.close()
+    # ESSL "no handshake within": the handshake's timer ended it, not the call's (timeout_ms=5000).
     assert info.value.code == errors.ESSL and "no handshake within" in info.value.text
-    assert 0.25 <= took < 3
-    await asyncio.sleep(0.05)
-    assert open_fds() <= fds  # the client's socket was closed
+    assert took >= 0.25  # not before ssl_handshake_timeout_ms=300
+    for _ in range(1000):  # the client's socket is closed (10 s at most)
+        if open_fds() <= fds:
+            break
+        await asyncio.sleep(0.01)
+    assert open_fds() <= fds
 
 
 # --- I8: a stalled handshake at the server --------------------------------------------------
@@ -206,8 +210,8 @@ async def test_i8_a_stalled_client_hello_is_closed_at_the_handshake_timeout(pki,
     reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
     writer.write(bytes([0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xFC, 0x03]))  # 10 bytes of a hello
     t0 = loop.time()
-    assert await asyncio.wait_for(reader.read(), 3) == b""
-    assert 0.25 <= loop.time() - t0 < 2
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # 10 s only guards against a hang
+    assert loop.time() - t0 >= 0.25  # not before ssl_handshake_timeout_sec=0.3; the log says which timer
     writer.close()
     assert "TLS handshake failed: no handshake within 0.3 s" in caplog.text
     assert srv.stats.closed.get("tls_handshake") == 1

@@ -123,14 +123,17 @@ async def main():
     await ch.close()
     return out
 ''', drop_rule(DEAD_PORT))
+    # ETIMEDOUT: the connect's timer (100 ms) ended it, not the call's deadline (2 s: ERPCTIMEDOUT).
     code, elapsed = r["retry0"]
-    assert code == errors.ETIMEDOUT and 0.09 <= elapsed < 0.6, r
+    assert code == errors.ETIMEDOUT and elapsed >= 0.09, r
     # The timed-out connect marks the only server failed, so the retries (ETIMEDOUT is
-    # retryable) find it down and fail at once with EHOSTDOWN, as brpc's do (brpc's docs/en/client.md).
+    # retryable) find it down and fail at once with EHOSTDOWN, as brpc's do (brpc's docs/en/client.md):
+    # a retry that connected again would end with ETIMEDOUT.
     code, elapsed = r["retry3"]
-    assert code == errors.EHOSTDOWN and 0.09 <= elapsed < 0.6, r
+    assert code == errors.EHOSTDOWN and elapsed >= 0.09, r
+    # ERPCTIMEDOUT: the deadline (100 ms) ended it, not the connect's timer (1 s: ETIMEDOUT).
     code, elapsed = r["deadline_first"]
-    assert code == errors.ERPCTIMEDOUT and 0.09 <= elapsed < 0.6, r
+    assert code == errors.ERPCTIMEDOUT and elapsed >= 0.09, r
 
 
 def test_e6_established_connection_then_dropped_times_out_at_the_deadline(netns):
@@ -140,8 +143,8 @@ async def main():
 """)
     assert r["first"][0] == 0, r
     code, elapsed = r["after"]
-    assert code == errors.ERPCTIMEDOUT and 0.19 <= elapsed < 0.8, r  # never retried
-    assert r["connections"] == 1, r
+    assert code == errors.ERPCTIMEDOUT and elapsed >= 0.19, r  # at the deadline, not before
+    assert r["connections"] == 1, r  # never retried on a new connection
 
 
 def test_e7_rst_on_syn_is_refused_at_once(netns):
@@ -154,10 +157,11 @@ async def main():
         await ch.close()
     return out
 ''', drop_rule(DEAD_PORT, "reject with tcp reset"))
+    # At once: refused (the deadline, 2 s, would say ERPCTIMEDOUT).
     code, elapsed = r["retry0"]
-    assert code == errors.ECONNREFUSED and elapsed < 0.5, r
+    assert code == errors.ECONNREFUSED, r
     code, elapsed = r["retry3"]  # refused, then the retries find the server marked down
-    assert code == errors.EHOSTDOWN and elapsed < 0.5, r
+    assert code == errors.EHOSTDOWN, r
 
 
 def test_e7_rst_on_an_established_connection_fails_the_call_at_once(netns):
@@ -167,7 +171,7 @@ async def main():
 """)
     assert r["first"][0] == 0, r
     code, elapsed = r["after"]
-    assert code == errors.EFAILEDSOCKET and elapsed < 0.5, r
+    assert code == errors.EFAILEDSOCKET, r  # at once: the reset, not the deadline (2 s: ERPCTIMEDOUT)
 
 
 # E8: 20 connections each make 10 sequential calls at once, 200 calls in all. Strictly one after
@@ -213,8 +217,8 @@ async def main():
     assert set(r["codes"]) <= {"0", str(errors.ERPCTIMEDOUT)}, r
     assert sum(r["codes"].values()) == LANES * CALLS_PER_LANE, r
     assert r["codes"].get("0", 0) >= LANES * CALLS_PER_LANE // 2, r
-    # no hang: no call outlives its deadline
-    assert r["max"] < TIMEOUT_MS / 1000 + 0.5, r
+    # no hang: no call outlives its deadline (by twice it: a loaded machine's loop is late, not hung)
+    assert r["max"] < 2 * TIMEOUT_MS / 1000, r
 
 
 def test_e13_a_client_gone_without_fin_or_rst_is_found_by_keepalive(netns):
