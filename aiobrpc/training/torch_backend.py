@@ -60,9 +60,8 @@ class AiobrpcWork(dist.Work):
     def __init__(self, cf: concurrent.futures.Future, result: Any) -> None:
         super().__init__()
         self._cf = cf
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._future: torch.futures.Future | None = None  # made when asked for: most callers only wait()
         self._result = result
-        cf.add_done_callback(self._complete)
 
     def _complete(self, cf: concurrent.futures.Future) -> None:
         exc = cf.exception()
@@ -85,11 +84,16 @@ class AiobrpcWork(dist.Work):
         return self._cf.exception() if self._cf.done() else None
 
     def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._cf.add_done_callback(self._complete)  # at once when the work is already done
         return self._future
 
     def _source_rank(self) -> int:
         """The group rank a recv got its message from (recv from any source)."""
         values = self._cf.result()  # what the group's calls gave: a recv gives its source
+        if not isinstance(values, list):
+            return int(values)
         return int(values[-1]) if values else -1
 
     source_rank = _source_rank
@@ -160,6 +164,12 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
     def _work(self, result: Any, calls: list[tuple], after: Any = None) -> AiobrpcWork:
         """Start `calls` ((fn, *args) on the group, in this order) as one Work; `after(values)`
         runs on the loop thread with what they gave."""
+        if len(calls) == 1 and after is None:  # one call (send, recv ...): its own future, no gather
+            work = AiobrpcWork(self.threaded.submit(*calls[0]), result)
+            if self._coalesced is not None:
+                self._coalesced.append(work)
+            return work
+
         def run_all():
             import asyncio
             started = [fn(*args) for fn, *args in calls]
