@@ -48,10 +48,13 @@ def timed(fn, budget_s: float, sync) -> list[float]:
     dist.broadcast(n, 0)
     sync()
     times = []
+    c0 = os.times()
     for _ in range(int(n[0])):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    c1 = os.times()
+    timed.cpu = ((c1.user - c0.user) / len(times), (c1.system - c0.system) / len(times))
     return times
 
 
@@ -94,6 +97,7 @@ def worker(rank: int, world: int, port: int, raw_port: int, args, queue) -> None
 
     def record(name: str, times: list[float]) -> None:
         samples.setdefault(name, []).append(statistics.median(times))
+        samples.setdefault(name + "_cpu", []).append(timed.cpu)
 
     if world == 2:
         small = torch.arange(1024, dtype=torch.float32)  # 4 KiB
@@ -174,7 +178,10 @@ def main() -> int:
     args = ap.parse_args()
     two = run_world(2, args)
     four = {} if args.skip_world4 else run_world(4, args)
-    med = {k: statistics.median(v) for k, v in {**two, **four}.items()}
+    both = {**two, **four}
+    med = {k: statistics.median(v) for k, v in both.items() if not k.endswith("_cpu")}
+    cpu = {k[:-4]: tuple(statistics.median(c[i] for c in v) for i in (0, 1)) for k, v in both.items()
+           if k.endswith("_cpu")}
     mb = args.big / 1e6
     print(f"| measurement (median of {args.rounds} rounds) | gloo | aiobrpc | aiobrpc / gloo | raw socket |")
     print("|---|---:|---:|---:|---:|")
@@ -186,6 +193,10 @@ def main() -> int:
         print(f"| all_to_all_single {args.big >> 20} MiB per rank, world 4 (MB/s) | {mb / med['a2a_gloo']:,.0f} | "
               f"{mb / med['a2a_aiobrpc']:,.0f} | {med['a2a_gloo'] / med['a2a_aiobrpc']:.2f}x | |")
     print("(aiobrpc / gloo: speed ratio, >= 1.00x means aiobrpc is as fast or faster)")
+    print()
+    print("CPU per call of rank 0's process (all its threads), user + system, microseconds:")
+    for k, (user, system) in sorted(cpu.items()):
+        print(f"  {k:12s} {user * 1e6:9,.0f} + {system * 1e6:9,.0f}")
     return 0
 
 
