@@ -105,3 +105,32 @@ def test_mixed_soak_in_a_network_namespace():
     assert_invariants(soak, r)
     assert proc.returncode == 0, stdout
     assert sum(v for k, v in r["faults"].items() if k.startswith("net_")) >= 1, soak.table(r)
+
+
+def test_the_loop_watch_counts_a_stall_and_tells_a_busy_loop_from_an_unscheduled_one():
+    """The soak's "lost" check does not count time its own loop could not run: the watch must
+    see a stall, whether the loop thread was busy (a blocking callback) or not running (here a
+    sleep, as when the kernel does not schedule the process)."""
+    import time
+
+    from bench.mixed_soak_parts.loop_watch import LoopWatch
+
+    async def main():
+        watch = LoopWatch(tick=0.01)
+        watch.start()
+        await asyncio.sleep(0.05)
+        before = watch.stalled()
+        time.sleep(0.3)  # the loop blocked, its thread idle
+        assert watch.stalled() - before >= 0.25  # a stall still going on counts at once
+        await asyncio.sleep(0.05)
+        idle = watch.worst
+        assert idle[0] >= 0.25 and idle[1] < idle[0] / 2, idle
+        watch.worst = (0.0, 0.0)
+        end = time.thread_time() + 0.4
+        while time.thread_time() < end:  # the loop blocked, its thread busy
+            pass
+        await asyncio.sleep(0.05)
+        busy = watch.worst
+        watch.stop()
+        assert busy[0] >= 0.3 and busy[1] >= 0.3, busy
+    asyncio.run(main())
