@@ -29,6 +29,7 @@ from aiobrpc._proto import interop_pb2
 from aiobrpc.client import channel as channel_module
 from aiobrpc.client.call import Call
 from tests.helpers.interop_server import SERVICE
+from tests.helpers.waiting import wait_until
 
 Req = interop_pb2.EchoRequest
 Resp = interop_pb2.EchoResponse
@@ -231,6 +232,7 @@ async def test_non_idempotent_call_is_not_retried_after_the_handler_ran(cluster,
     assert err.code in (errors.EEOF, errors.EFAILEDSOCKET)
     assert cntl.error_code == err.code and cntl.retried_count == 0
     await asyncio.sleep(0.03)  # a retry, if any, would have run by now
+    await wait_until(lambda: cluster.total("once") == 1)
     assert cluster.total("once") == 1  # executed exactly once although another server is up
     assert len(cntl.attempts) == 1 and cntl.attempts[0].error_code == err.code
     assert channel.stats.retries == 0 and channel.pending_calls() == 0
@@ -281,6 +283,7 @@ async def test_deadline_is_never_retried(cluster, policy):
     err = await fails(stub.Echo(Req(message="slow"), cntl))
     assert err.code == errors.ERPCTIMEDOUT and cntl.retried_count == 0
     await asyncio.sleep(0.03)
+    await wait_until(lambda: cluster.total("slow") == 1 and len(cntl.attempts) == 1)
     assert cluster.total("slow") == 1 and len(cntl.attempts) == 1
     assert retry_policy is None or retry_policy.asked == []
     release.set()
@@ -560,6 +563,7 @@ async def test_deadline_covers_retries_and_backoff(cluster):
     assert srv.count() == 2 and cntl.retried_count == 1
     assert srv.runs[1].t - srv.runs[0].t >= 0.049
     await asyncio.sleep(0.05)
+    await wait_until(lambda: srv.count() == 2)
     assert srv.count() == 2  # nothing after the deadline
 
 
@@ -621,8 +625,10 @@ async def test_cancelling_the_caller_ends_the_call(cluster):
     conn = channel._conn
     release.set()
     await asyncio.sleep(0.02)
+    await wait_until(lambda: channel.stats.late_or_unknown_responses == 1)
     assert channel.stats.late_or_unknown_responses == 1  # the reply came and was dropped
     await asyncio.sleep(0.15)  # past the backup delay and the deadline: no timer fires
+    await wait_until(lambda: srv.count("parked") == 1 and channel.stats.backup_requests == 0)
     assert srv.count("parked") == 1 and channel.stats.backup_requests == 0
     assert channel.stats.timeouts == 0 and channel.stats.cancelled == 1
     assert (await stub.Echo(Req(message="after"))).message == f"{srv.address}|after"
@@ -642,6 +648,7 @@ async def test_cancelling_during_a_backoff_cancels_the_retry(cluster):
         await task
     assert channel.stats.cancelled == 1 and channel.pending_calls() == 0
     await asyncio.sleep(0.1)
+    await wait_until(lambda: srv.count() == 1 and channel.stats.retries == 1)
     assert srv.count() == 1 and channel.stats.retries == 1  # the retry never went
 
 
@@ -654,6 +661,7 @@ async def test_cancelling_while_connecting(cluster):
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0.02)
+    await wait_until(lambda: srv.count() == 0 and channel.stats.cancelled == 1 and channel.pending_calls() == 0)
     assert srv.count() == 0 and channel.stats.cancelled == 1 and channel.pending_calls() == 0
     assert (await stub.Echo(Req(message="y"))).message == f"{srv.address}|y"
 
@@ -700,6 +708,7 @@ async def test_timeout_with_a_late_reply(cluster, monkeypatch):
     assert len(calls) == 2 and all(ref() is None for ref in calls)  # ...nor the call
     release.set()
     await asyncio.sleep(0.02)
+    await wait_until(lambda: channel.stats.late_or_unknown_responses == 1 and srv.count("late") == 1)
     assert channel.stats.late_or_unknown_responses == 1 and srv.count("late") == 1
     assert (await stub.Echo(Req(message="again"))).message == f"{srv.address}|again"
     assert channel._conn is conn and channel.stats.connections_made == 1

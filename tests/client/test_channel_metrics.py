@@ -25,6 +25,7 @@ from aiobrpc.client.prometheus import ChannelCollector, prometheus_text
 from aiobrpc.metrics import MethodStatus
 from tests.client.test_call_rules import ECHO, Cluster, Req, fail_with, fails
 from tests.helpers.interop_server import SERVICE
+from tests.helpers.waiting import wait_until
 
 PROM_ECHO = "interop_echo_service_echo"  # ECHO underscored
 UNSERIALIZABLE = brpc_meta_pb2.RpcRequestMeta()  # its required fields are missing: EncodeError
@@ -115,6 +116,7 @@ async def test_a_timeout_is_one_failed_call_as_long_as_its_deadline(cluster):
     assert figs["max_latency"] == cntl.latency_us >= 45000
     hold.set()
     await asyncio.sleep(0.02)  # the late reply is dropped, not counted again
+    await wait_until(lambda: channel.status()[ECHO]["count"] == 1)
     assert channel.status()[ECHO]["count"] == 1
 
 
@@ -194,6 +196,7 @@ async def test_backup_requests_are_counted_apart_from_retries(cluster):
     assert figs["backups"] == 2 == channel.stats.backup_requests and figs["retries"] == 0
     hold.set()  # the losers answer now: dropped, not counted as calls
     await asyncio.sleep(0.02)
+    await wait_until(lambda: channel.status()[ECHO]["count"] == 4)
     assert channel.status()[ECHO]["count"] == 4
 
 

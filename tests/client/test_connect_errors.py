@@ -17,6 +17,7 @@ import pytest
 import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import echo_pb2
+from tests.helpers.waiting import wait_until
 
 HOSTS = ["nonexistent.invalid", "127.0.0..1"]
 WHY = {"nonexistent.invalid": "[A-Z][a-z]+ ", "127.0.0..1": "not a valid host name$"}  # the resolver's words, or ours
@@ -53,6 +54,7 @@ async def test_the_health_check_of_an_unresolvable_host_keeps_trying(host):
         end = loop.time() + 5
         while channel.stats.health_checks < 2 and loop.time() < end:
             await asyncio.sleep(0.02)
+        await wait_until(lambda: channel.stats.health_checks >= 2)
         assert channel.stats.health_checks >= 2
         assert channel.server_states() == {f"{host}:8000": "down"}
 

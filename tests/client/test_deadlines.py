@@ -12,6 +12,7 @@ import aiobrpc
 from aiobrpc import errors
 from aiobrpc.deadlines import TimerWheel
 from tests.client.test_call_rules import Cluster, Req
+from tests.helpers.waiting import wait_until
 
 
 @pytest_asyncio.fixture
@@ -63,6 +64,7 @@ async def test_entries_removed_before_their_time_leave_no_heap_behind():
         wheel.add(now + i * 5 / 1000, i)  # 5 ms apart: one millisecond's bucket keeps the order added
     while len(fired) < 3:
         await asyncio.sleep(0.005)
+    await wait_until(lambda: fired == [1, 2, 3] and wheel.footprint() == 0)
     assert fired == [1, 2, 3] and wheel.footprint() == 0
     wheel.close()
 
@@ -74,6 +76,7 @@ async def test_an_earlier_entry_rearms_the_timer_and_close_stops_it():
     wheel.add(loop.time() + 10, "late")
     wheel.add(loop.time() + 0.005, "soon")
     await asyncio.sleep(0.03)
+    await wait_until(lambda: fired == ["soon"] and wheel.handle is not None)
     assert fired == ["soon"] and wheel.handle is not None  # armed again, for "late"
     wheel.close()
     assert wheel.handle is None and len(wheel) == 0
@@ -92,6 +95,7 @@ async def test_an_expire_that_raises_does_not_lose_the_others(loop_errors):
     for name in ("a", "bad", "b"):
         wheel.add(t, name)
     await asyncio.sleep(0.02)
+    await wait_until(lambda: fired == ["a", "b"])
     assert fired == ["a", "b"]
     assert [type(e["exception"]) for e in loop_errors] == [ValueError]
     loop_errors.clear()

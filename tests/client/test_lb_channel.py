@@ -18,6 +18,7 @@ from aiobrpc.client.lb import RoundRobinLoadBalancer, create_load_balancer, regi
 from aiobrpc.client.naming import ServerNode
 from tests.client.test_lb_consistent_hashing import reference_owner, reference_ring
 from tests.helpers.interop_server import SERVICE, InteropEcho
+from tests.helpers.waiting import wait_until
 
 Req = interop_pb2.EchoRequest
 
@@ -212,6 +213,7 @@ async def test_every_selection_gets_exactly_one_feedback(cluster):
     # The caller cancels.
     task = loop.create_task(outcome(Req(message="c")))
     await asyncio.sleep(0.02)
+    await wait_until(lambda: +lb.inflight)
     assert +lb.inflight
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

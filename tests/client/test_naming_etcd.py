@@ -16,6 +16,7 @@ from aiobrpc.client.naming import ServerNode, base, create_naming_service
 from aiobrpc.client.naming.etcd_target import EtcdTarget
 from tests.helpers.etcd import ListFeed, etcd, etcd_server  # noqa: F401  (fixtures)
 from tests.helpers.interop_server import SERVICE, running_echo
+from tests.helpers.waiting import wait_until
 
 Req = interop_pb2.EchoRequest
 
@@ -151,6 +152,7 @@ async def test_etcd_killed_keeps_the_list_and_the_channel_recovers_when_it_retur
             await eventually(lambda: any("connecting again" in w for w in naming_warnings(caplog)))
             mark = caller.mark()
             await asyncio.sleep(0.5)  # calls flow on the last list meanwhile
+            await wait_until(lambda: caller.count_since(mark) > 10 and caller.since(mark) == {f"127.0.0.1:{a.port}"})
             assert caller.count_since(mark) > 10 and caller.since(mark) == {f"127.0.0.1:{a.port}"}
             assert caller.failures == []
             # Logged once per fault (the watch broken, then connections refused), not per retry.

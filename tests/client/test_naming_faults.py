@@ -19,6 +19,7 @@ from aiobrpc.client.lb.rr import RoundRobinLoadBalancer
 from aiobrpc.client.naming import ServerNode, register_naming_service
 from aiobrpc.client.naming.base import NamingService
 from tests.helpers.interop_server import SERVICE, running_echo
+from tests.helpers.waiting import wait_until
 
 Req = interop_pb2.EchoRequest
 HANG = 5
@@ -96,6 +97,7 @@ async def test_a_watch_that_raises_keeps_the_last_list_and_is_watched_again():
                 if list(channel.server_states()) == [str(node_b)]:
                     break
                 await asyncio.sleep(0.01)
+            await wait_until(lambda: list(channel.server_states()) == [str(node_b)] and ScriptedNaming.watches == 2)
             assert list(channel.server_states()) == [str(node_b)] and ScriptedNaming.watches == 2
             cntl = aiobrpc.Controller()
             await aiobrpc.Stub(channel, SERVICE).Echo(Req(message="y"), cntl)
@@ -120,6 +122,7 @@ async def test_a_load_balancer_refusing_a_list_keeps_the_last_one(caplog):
         async with channel_for("picky") as channel:
             assert (await call(channel)).message == "x"
             await asyncio.sleep(0.02)
+            await wait_until(lambda: list(channel.server_states()) == [str(node_a)])
             assert list(channel.server_states()) == [str(node_a)]
             assert (await call(channel, "again")).message == "again"
     assert any("load_balancer.set_servers raised" in r.getMessage() for r in caplog.records)

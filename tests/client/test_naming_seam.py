@@ -13,6 +13,7 @@ from aiobrpc._proto import interop_pb2
 from aiobrpc.client.naming import ServerNode, register_naming_service
 from aiobrpc.client.naming.base import NamingService
 from tests.helpers.interop_server import SERVICE, running_echo
+from tests.helpers.waiting import wait_until
 
 Req = interop_pb2.EchoRequest
 
@@ -52,6 +53,7 @@ async def test_calls_wait_for_the_first_list_then_follow_updates():
         assert (await call).message == "first"
         naming.updates.put_nowait([ServerNode("127.0.0.1", b.port)])  # a replaced by b
         await asyncio.sleep(0.01)
+        await wait_until(lambda: list(channel.server_states()) == [f"127.0.0.1:{b.port}"])
         assert list(channel.server_states()) == [f"127.0.0.1:{b.port}"]
         cntl_sides = set()
         for i in range(4):

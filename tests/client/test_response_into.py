@@ -15,6 +15,7 @@ from aiobrpc.protocol import baidu_std
 from aiobrpc.protocol.placement import PlacingDecoder
 from tests.helpers.interop_server import SERVICE
 from tests.helpers.peers import FakeServer
+from tests.helpers.waiting import wait_until
 from tests.helpers.wire import frame, rpc_meta
 
 N = 1 << 18  # float32 elements: 1 MiB
@@ -126,6 +127,7 @@ async def test_after_a_timeout_the_array_is_never_written():
             if dest[first - 1] != 0 or call.done():
                 break
             await asyncio.sleep(0.001)
+        await wait_until(lambda: dest[first - 1] == first and not call.done())
         assert dest[first - 1] == first and not call.done()  # the first MiB landed in the array; the call waits
         with pytest.raises(aiobrpc.RpcError) as e:
             await call

@@ -16,6 +16,7 @@ import aiobrpc
 from aiobrpc._proto import interop_pb2
 from tests.e2e.test_http import fetch
 from tests.helpers.interop_server import SERVICE, InteropEcho
+from tests.helpers.waiting import wait_until
 
 SVC = "interop.EchoService"
 CURL = {"User-Agent": "curl/8.5.0"}
@@ -276,6 +277,7 @@ async def test_the_server_samples_its_variables_every_second_by_itself(server):
         if server.series.samples:
             break
         await asyncio.sleep(0.1)
+    await wait_until(lambda: server.series.samples >= 1)
     assert server.series.samples >= 1
     assert server.series.get(f"rpc_server_{server.port}_requests") is not None
 

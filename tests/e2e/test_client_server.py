@@ -16,6 +16,7 @@ from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
 from tests.helpers.health import wait_up
 from tests.helpers.interop_server import SERVICE, InteropEcho
+from tests.helpers.waiting import wait_until
 
 Req = interop_pb2.EchoRequest
 MIB = 1 << 20
@@ -205,6 +206,7 @@ async def test_timeout_late_reply_dropped_connection_kept(interop):
     gc.collect()
     assert refs[0]() is None  # nothing in the library keeps the timed-out call alive
     await asyncio.sleep(0.25)
+    await wait_until(lambda: channel.stats.late_or_unknown_responses == 1)
     assert channel.stats.late_or_unknown_responses == 1
     assert (await stub.Echo(Req(message="again"))).message == "again"
     assert channel._conn is conn and channel.stats.connections_made == 1
@@ -284,6 +286,7 @@ async def test_cancelling_the_caller_ends_the_call_cleanly(interop):
         await task
     assert not channel._conn.pending
     await asyncio.sleep(0.35)
+    await wait_until(lambda: channel.stats.late_or_unknown_responses == 1)
     assert channel.stats.late_or_unknown_responses == 1
     await channel.close()
 

@@ -15,6 +15,7 @@ import aiobrpc
 from aiobrpc._proto import interop_pb2
 from tests.helpers.interop_server import SERVICE, InteropEcho
 from tests.helpers.peers import raw_exchange
+from tests.helpers.waiting import wait_until
 from tests.helpers.wire import frame, rpc_meta
 
 Req = interop_pb2.EchoRequest
@@ -148,6 +149,7 @@ async def test_an_idle_connection_costs_the_server_little_memory(record_property
                     if len(srv.connections) >= len(socks):
                         break
                     await asyncio.sleep(0.01)
+        await wait_until(lambda: len(srv.connections) == n)
         assert len(srv.connections) == n
         gc.collect()
         silent = (tracemalloc.get_traced_memory()[0] - before) / n
@@ -158,6 +160,7 @@ async def test_an_idle_connection_costs_the_server_little_memory(record_property
             if srv.stats.requests - answered >= n and srv.concurrency == 0:
                 break
             await asyncio.sleep(0.01)
+        await wait_until(lambda: srv.stats.requests - answered == n)
         assert srv.stats.requests - answered == n
         for _ in range(100):  # the replies out of the client sockets, unread by the test
             try:

@@ -15,6 +15,7 @@ from aiobrpc.protocol import baidu_std
 from tests.helpers.interop_server import SERVICE, InteropEcho
 from tests.helpers.peers import FakeServer, exchange_frames, raw_exchange, reset
 from tests.helpers.unread import flood_without_reading
+from tests.helpers.waiting import wait_until
 from tests.helpers.wire import field_ld, field_varint, frame, rpc_meta
 
 MIB = 1 << 20
@@ -161,6 +162,7 @@ async def test_e1_reset_in_the_middle_of_a_request(server):
     await asyncio.sleep(0.05)
     reset(writer)
     await asyncio.sleep(0.05)
+    await wait_until(lambda: server.stats.requests == 0 and not server.connections)
     assert server.stats.requests == 0 and not server.connections
 
 
@@ -243,6 +245,7 @@ async def test_i11_guessing_credentials_costs_each_attempt_a_bounded_amount():
         if len(srv.connections) == 1:
             break
         await asyncio.sleep(0.01)
+    await wait_until(lambda: len(srv.connections) == 1)
     assert len(srv.connections) == 1  # every guessing connection is closed, none lingers
     writer.close()
     await srv.stop()
@@ -286,6 +289,7 @@ async def test_d1_d2_unknown_and_duplicate_responses_dropped():
         resp, channel = await _call(peer.port)
         assert resp.message == "mine"
         await asyncio.sleep(0.05)
+        await wait_until(lambda: channel.stats.late_or_unknown_responses == 2)
         assert channel.stats.late_or_unknown_responses == 2
 
 

@@ -364,7 +364,8 @@ async def test_pipelined_requests_are_answered_in_order(server):  # H9
     data = (b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
             b"POST /interop.EchoService/Echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
             % (len(first), first, len(second), second))
-    got, _ = await raw_exchange(server.port, data, read_timeout=1)
+    got, _ = await raw_exchange(server.port, data, read_timeout=10, until=lambda got: got.count(b"HTTP/1.1 ") >= 2
+                                and got.rstrip().endswith(b"}"))
     assert got.count(b"HTTP/1.1 200 OK") == 2
     assert got.index(b'"first"') < got.index(b'"second"')
 

@@ -23,6 +23,7 @@ from aiobrpc.tls import ClientTlsOptions, ServerTlsOptions
 from tests.helpers.interop_server import SERVICE, InteropEcho
 from tests.helpers.peers import raw_exchange
 from tests.helpers.unread import flood_without_reading
+from tests.helpers.waiting import wait_until
 from tests.helpers.wire import frame, rpc_meta
 
 MIB = 1 << 20
@@ -198,6 +199,7 @@ async def test_i7_a_silent_server_fails_within_the_handshake_timeout(pki):
         if open_fds() <= fds:
             break
         await asyncio.sleep(0.01)
+    await wait_until(lambda: open_fds() <= fds)
     assert open_fds() <= fds
 
 
@@ -329,6 +331,7 @@ async def test_a_clients_close_notify_closes_the_connection(pki):
     end = loop.time() + 5
     while srv.connections and loop.time() < end:
         await asyncio.sleep(0.01)
+    await wait_until(lambda: not srv.connections)
     assert not srv.connections
     await stop(srv)
 

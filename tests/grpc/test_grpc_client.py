@@ -19,6 +19,7 @@ from aiobrpc._proto import echo_aiobrpc, echo_pb2, interop_pb2
 from aiobrpc.protocol import compress
 from aiobrpc.protocol import grpc as wire
 from tests.grpc.grpcio_server import GrpcioServer
+from tests.helpers.waiting import wait_until
 
 SERVICE = interop_pb2.DESCRIPTOR.services_by_name["EchoService"]
 EchoRequest = interop_pb2.EchoRequest
@@ -282,6 +283,7 @@ async def test_connection_loss_mid_call_fails_the_call_at_once():
                 if srv.calls:
                     break
                 await asyncio.sleep(0.01)
+            await wait_until(lambda: srv.calls == 1 and not task.done())
             assert srv.calls == 1 and not task.done()
             await asyncio.to_thread(srv.stop, 0)
             with pytest.raises(RpcError) as info:

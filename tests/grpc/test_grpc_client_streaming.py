@@ -35,6 +35,7 @@ from aiobrpc.protocol import compress
 from aiobrpc.protocol import grpc as wire
 from tests.grpc.grpcio_server import MAX_MESSAGE, GrpcioServer
 from tests.grpc.test_grpc_server import GrpcTest
+from tests.helpers.waiting import wait_until
 
 Msg = grpc_test_pb2.GrpcMessage
 SERVICE = grpc_test_pb2.DESCRIPTOR.services_by_name["GrpcTestService"]
@@ -390,6 +391,7 @@ async def test_cancelling_the_awaiting_task_resets_a_client_streaming_call(kind,
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, WAIT)
         await asyncio.sleep(0.05)
+        await wait_until(lambda: closed == [True])
         assert closed == [True]  # the requests' generator was stopped with the call
         assert channel._conn.h2.open_outbound_streams == 0  # reset, not left open
         if kind == "aiobrpc":  # grpc.aio ends the handler's request iterator quietly instead

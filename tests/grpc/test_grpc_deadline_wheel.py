@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.grpc.test_grpc_hostile import PATH, Msg, Peer, server, trailers_of  # noqa: F401  (server: the fixture)
+from tests.helpers.waiting import wait_until
 
 
 def _call(peer: Peer, timeout: bytes, body: bytes) -> int:
@@ -37,5 +38,6 @@ async def test_3000_calls_with_far_deadlines_leave_the_wheel_empty(server):
     end = loop.time() + 5
     while wheel.footprint() and loop.time() < end:
         await asyncio.sleep(0.01)
+    await wait_until(lambda: len(wheel) == 0 and wheel.footprint() == 0)
     assert len(wheel) == 0 and wheel.footprint() == 0
     peer.close()

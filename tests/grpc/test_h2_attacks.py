@@ -21,6 +21,7 @@ from aiobrpc.server.grpc import session as h2_session
 from tests.grpc.test_grpc_hostile import (GRPC_HEADERS, PATH, Peer, RawPeer, logs_not_rate_limited,  # noqa: F401
                                           p_status, still_serves, trailers_of)
 from tests.grpc.test_grpc_server import started, stopped
+from tests.helpers.waiting import wait_until
 
 Msg = grpc_test_pb2.GrpcMessage
 SERVICE = grpc_test_pb2.DESCRIPTOR.services_by_name["GrpcTestService"]
@@ -141,6 +142,7 @@ async def test_calls_waiting_for_a_window_end_when_the_client_closes_its_socket(
         peer.send()
         assert await eventually(lambda: servicer.streams_begun == 50 and server.concurrency == 50)
         await asyncio.sleep(0.05)  # every reply waits for the window the client never opens
+        await wait_until(lambda: server.concurrency == 50)
         assert server.concurrency == 50
         peer.close()
         assert await eventually(lambda: servicer.streams_closed == 50 and server.concurrency == 0

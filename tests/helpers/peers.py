@@ -52,8 +52,12 @@ def reset(writer) -> None:
 
 
 async def raw_exchange(port: int, data: bytes, *, shutdown: bool = False, read_timeout: float = 1.0,
-                       want: int | None = None) -> tuple[bytes, bool]:
-    """Send bytes to a server; return (everything received, whether it closed)."""
+                       want: int | None = None, until=None) -> tuple[bytes, bool]:
+    """Send bytes to a server; return (everything received, whether it closed).
+
+    Reading stops at the server's close, after `want` bytes, once `until(received)` holds, or
+    after `read_timeout` of silence (where a test expects more answers, give `until`, so a busy
+    machine's late answer is still waited for: `read_timeout` is then only a hang guard)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
     await writer.drain()
@@ -62,7 +66,7 @@ async def raw_exchange(port: int, data: bytes, *, shutdown: bool = False, read_t
     got = b""
     closed = False
     try:
-        while want is None or len(got) < want:
+        while (want is None or len(got) < want) and (until is None or not until(got)):
             chunk = await asyncio.wait_for(reader.read(65536), read_timeout)
             if not chunk:
                 closed = True

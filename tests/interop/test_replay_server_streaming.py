@@ -32,6 +32,7 @@ from aiobrpc._proto import brpc_streaming_pb2
 from aiobrpc.protocol import baidu_std
 from tests.helpers.golden import meta_to_dict
 from tests.helpers.interop_server import InteropEcho
+from tests.helpers.waiting import wait_until
 from tests.helpers.wire import load_golden
 from tests.interop.test_replay_server import STREAMING, _compare
 
@@ -122,6 +123,7 @@ async def test_replay_streaming_against_our_server(name):
         finally:
             peer.writer.close()
         await asyncio.sleep(0.05)
+        await wait_until(lambda: server.stream_count() == 0)
         assert server.stream_count() == 0
     finally:
         await server.stop()

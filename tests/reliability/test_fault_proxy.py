@@ -383,7 +383,7 @@ async def test_rpc_cut_after_the_request_reached_the_server(brpc_proxy, mode, co
     channel, stub = stub_for(proxy, timeout_ms=5000)
     err, elapsed = await timed_call(stub)
     assert isinstance(err, aiobrpc.RpcError) and err.code in codes, err
-    assert elapsed < 1.0  # promptly, not at the deadline
+    assert elapsed < 4.0  # promptly, not at the 5 s deadline
     assert len(servicer.executed) == 1
     # E5: the server is marked down, the health check revives it, the next call reconnects
     proxy.cut_after = None
@@ -427,7 +427,7 @@ async def test_rpc_refused_then_served_again(brpc_proxy):
     await proxy.refuse()
     err, elapsed = await timed_call(stub)
     assert isinstance(err, aiobrpc.RpcError) and err.code == errors.ECONNREFUSED, err
-    assert elapsed < 0.5
+    assert elapsed < 1.5  # refused, not the 2 s deadline
     err, elapsed = await timed_call(stub)  # marked down: fails fast until revived
     assert isinstance(err, aiobrpc.RpcError) and err.code == errors.EHOSTDOWN, err  # fast: no connect tried
     await proxy.accept_again()

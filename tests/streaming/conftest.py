@@ -12,6 +12,7 @@ import aiobrpc
 from aiobrpc._proto import interop_pb2
 from tests.helpers.interop_server import SERVICE, running_echo
 from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
+from tests.helpers.waiting import wait_until
 
 MIB = 1024 * 1024
 
@@ -29,6 +30,7 @@ async def stream_pair(server_options: aiobrpc.ServerOptions | None = None,
         finally:
             await channel.close()
             await asyncio.sleep(0.02)
+            await wait_until(lambda: channel_stream_count(channel) == 0)
             assert channel_stream_count(channel) == 0
     assert server.stream_count() == 0
 

@@ -14,6 +14,7 @@ from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
 from aiobrpc.protocol import baidu_std, streaming
 from tests.helpers.interop_server import running_echo
+from tests.helpers.waiting import wait_until
 from tests.helpers.wire import field_ld, field_varint, frame, rpc_meta
 from tests.streaming.conftest import MIB, channel_stream_count, open_stream
 
@@ -72,11 +73,7 @@ class RawClient:
         out = []
         try:
             while n is None or len(out) < n:
-                for ev in self.decoder.events():
-                    if hasattr(ev, "payload"):
-                        out.append((streaming.decode_frame_meta(ev.meta), bytes(ev.payload)))
-                    else:
-                        self.events.append(ev)
+                self._decoded(out)
                 if n is not None and len(out) >= n:
                     break
                 chunk = await asyncio.wait_for(self.reader.read(1 << 20), timeout)
@@ -87,15 +84,38 @@ class RawClient:
             pass
         return out
 
+    async def frames_until(self, done, timeout: float = 10.0) -> list:
+        """STRM frames as `frames` gives them, read until `done(frames)` holds: what the server
+        answers is waited for, however busy the machine (`timeout` is only a hang guard)."""
+        out: list = []
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            self._decoded(out)
+            if done(out) or loop.time() >= end:
+                return out
+            try:
+                chunk = await asyncio.wait_for(self.reader.read(1 << 20), end - loop.time())
+            except asyncio.TimeoutError:
+                return out
+            if not chunk:
+                return out
+            self.decoder.feed(chunk)
+
+    def _decoded(self, out: list) -> None:
+        for ev in self.decoder.events():
+            if hasattr(ev, "payload"):
+                out.append((streaming.decode_frame_meta(ev.meta), bytes(ev.payload)))
+            else:
+                self.events.append(ev)
+
     async def echo_works(self, text: str = "kept") -> bool:
         """A unary call on the same connection is answered."""
         self.send(frame(rpc_meta("interop.EchoService", "Echo", correlation_id=99), Req(message=text).SerializeToString()))
-        deadline = asyncio.get_running_loop().time() + 2
-        while asyncio.get_running_loop().time() < deadline:
-            await self.frames(timeout=0.1)
-            for ev in self.events:
-                if ev.meta.correlation_id == 99:
-                    return interop_pb2.EchoResponse.FromString(bytes(ev.data)).message == text
+        await self.frames_until(lambda _: any(ev.meta.correlation_id == 99 for ev in self.events))
+        for ev in self.events:
+            if ev.meta.correlation_id == 99:
+                return interop_pb2.EchoResponse.FromString(bytes(ev.data)).message == text
         return False
 
     def data(self, payload: bytes, more: bool = False, to: int | None = None, source: int = CLIENT_ID) -> bytes:
@@ -122,7 +142,8 @@ async def test_g1_frames_for_an_unknown_stream_id():
         raw.send(streaming.feedback_frame(987654321, 6, 100))  # FEEDBACK: never answered
         raw.send(streaming.close_frame(987654322, 7))
         raw.send(streaming.rst_frame(987654323))  # RST: never answered
-        got = await raw.frames(timeout=0.3)
+        got = await raw.frames_until(lambda got: len(got) >= 2)
+        got += await raw.frames(timeout=0.3)  # and nothing after them
         assert [(m.frame_type, m.stream_id, m.source_stream_id) for m, _ in got] == [
             (streaming.RST, 5, None), (streaming.RST, 7, None)]
         assert server.stats.stream_frames_dropped == dropped + 4
@@ -142,7 +163,7 @@ async def test_g3_a_writer_that_ignores_the_window_is_reset(caplog):
             for _ in range(100):
                 raw.send(chunk)
                 await raw.writer.drain()
-            got = await raw.frames(timeout=0.3)
+            got = await raw.frames_until(lambda got: any(m.frame_type == streaming.RST for m, _ in got))
         rst = [m for m, _ in got if m.frame_type == streaming.RST]
         assert rst and rst[0].stream_id == CLIENT_ID
         assert stream.closed and stream.error.code == errors.EPROTO
@@ -163,7 +184,7 @@ async def test_g4_endless_continuations_are_capped_then_reset():
         for _ in range(40):  # 2.5 MiB of one message, never finished
             raw.send(piece)
         await raw.writer.drain()
-        got = await raw.frames(timeout=0.3)
+        got = await raw.frames_until(lambda got: any(m.frame_type == streaming.RST for m, _ in got))
         assert streaming.RST in [m.frame_type for m, _ in got]
         assert stream.closed and stream.error.code == errors.EPROTO
         assert "max_body_size=1048576" in stream.error.text
@@ -181,6 +202,7 @@ async def test_g5_a_feedback_frame_with_a_payload():
         meta = streaming.feedback_meta(raw.server_id, CLIENT_ID, 0)
         raw.send(frame(meta, b"not allowed here", magic=b"STRM"))
         await asyncio.sleep(0.05)
+        await wait_until(lambda: server.stats.stream_frames_dropped == dropped + 1)
         assert server.stats.stream_frames_dropped == dropped + 1  # the payload was ignored, counted
         assert not stream.closed
         await stream.write(b"still works")
@@ -248,6 +270,7 @@ async def test_g9_a_message_over_max_body_size_tells_the_sender():
         with pytest.raises(aiobrpc.RpcError):
             await stream.write(b"x")
         await asyncio.sleep(0.02)
+        await wait_until(lambda: handler_events == [("failed", errors.ECONNRESET), ("closed",)])
         assert handler_events == [("failed", errors.ECONNRESET), ("closed",)]
         (peer,) = holder.streams
         assert peer.error.code == errors.EPROTO
@@ -272,6 +295,7 @@ async def test_g10_idle_timeout():
         start = asyncio.get_running_loop().time()
         with_handler, _ = await open_stream(stub, handler=H(), idle_timeout_ms=50)
         await asyncio.sleep(0.2)
+        await wait_until(lambda: len(idle) >= 2 and idle[0] - start >= 0.04)
         assert len(idle) >= 2 and idle[0] - start >= 0.04
         assert not with_handler.closed  # brpc only tells the handler
         # Read by iteration, a stream with nothing to read for that long ends.
@@ -280,6 +304,7 @@ async def test_g10_idle_timeout():
             await asyncio.wait_for(iterated.read(), 2)
         assert ei.value.code == errors.ERPCTIMEDOUT
         await asyncio.sleep(0.05)
+        await wait_until(lambda: holder.streams[1].closed and holder.streams[1].error is None)
         assert holder.streams[1].closed and holder.streams[1].error is None  # it got a CLOSE
         await with_handler.close()
         await channel.close()
@@ -321,6 +346,7 @@ async def test_g11_the_peer_disconnects_with_streams_open():
                 await asyncio.wait_for(fut, 2)
             assert ei.value.code in (errors.EFAILEDSOCKET, errors.EEOF)
         await asyncio.sleep(0.05)
+        await wait_until(lambda: [e[0] for e in ended] == ["failed", "closed"])
         assert [e[0] for e in ended] == ["failed", "closed"]
         assert all(s.closed and s.error is not None for s in [*iterated, with_handler, *holder.streams])
         assert server.stream_count() == 0 and channel_stream_count(channel) == 0
@@ -335,6 +361,7 @@ async def test_a_peer_that_lies_about_consumed_does_not_open_the_window():
         await stream.write(bytes(1000))
         raw.send(streaming.feedback_frame(raw.server_id, CLIENT_ID, 1 << 40))  # "consumed" 1 TiB
         await asyncio.sleep(0.05)
+        await wait_until(lambda: stream._remote_consumed == 1000)
         assert stream._remote_consumed == 1000  # never more than was sent
         await stream.write(bytes(1000))
         blocked = asyncio.ensure_future(stream.write(b"must wait"))
@@ -344,6 +371,7 @@ async def test_a_peer_that_lies_about_consumed_does_not_open_the_window():
         await asyncio.wait_for(blocked, 2)
         raw.close()
         await asyncio.sleep(0.05)
+        await wait_until(lambda: stream.closed)
         assert stream.closed
 
 
@@ -370,7 +398,7 @@ async def test_a_bad_stream_settings_offer_is_refused():
         raw = RawClient(reader, writer)
         meta = rpc_meta("interop.EchoService", "StartStream", correlation_id=1, raw_extra=field_ld(8, b"\x10\x01"))
         raw.send(frame(meta, Req(message="raw").SerializeToString()))
-        await raw.frames(timeout=0.3)
+        await raw.frames_until(lambda _: raw.events)
         (ev,) = raw.events
         assert ev.meta.error_code == errors.EREQUEST and "stream_settings" in ev.meta.error_text
         assert holder.streams == []

@@ -13,6 +13,7 @@ import aiobrpc
 from aiobrpc import errors
 from aiobrpc._proto import interop_pb2
 from tests.helpers.interop_server import running_echo
+from tests.helpers.waiting import wait_until
 from tests.streaming.conftest import MIB, channel_stream_count, open_stream, stream_pair
 
 
@@ -139,6 +140,7 @@ async def test_many_streams_on_one_connection_beside_unary_calls(echo_pair):
     assert results[20:] == [str(i) for i in range(100)]
     assert channel.connection_count() == 1
     await asyncio.sleep(0.05)
+    await wait_until(lambda: server.stream_count() == 0 and channel_stream_count(channel) == 0)
     assert server.stream_count() == 0 and channel_stream_count(channel) == 0
 
 
@@ -313,6 +315,7 @@ async def test_cancelling_an_async_handler_resets_the_stream_once():
             await asyncio.wait_for(stream.read(), 5)
         assert ei.value.code == errors.ECONNRESET
         await asyncio.sleep(0.01)
+        await wait_until(lambda: peer._handler_task is None and server.stream_count() == 0)
         assert peer._handler_task is None and server.stream_count() == 0
         await channel.close()
 
@@ -383,6 +386,7 @@ async def test_close_by_the_server_ends_the_clients_reader_and_writer():
         assert await stream.read() is None
         assert stream.closed and stream.error is None
         await asyncio.sleep(0.02)
+        await wait_until(lambda: server.stream_count() == 0 and channel_stream_count(channel) == 0)
         assert server.stream_count() == 0 and channel_stream_count(channel) == 0
         await channel.close()
 

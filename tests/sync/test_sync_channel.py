@@ -18,6 +18,7 @@ import aiobrpc
 from aiobrpc import errors, sync
 from aiobrpc._proto import interop_pb2
 from tests.helpers.interop_server import SERVICE
+from tests.helpers.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 THREADS, CALLS = 8, 200
@@ -109,6 +110,7 @@ async def test_called_inside_a_running_loop_it_says_to_await_instead(server):
     finally:
         channel.close()  # from a running loop: handed to the background loop, not waited for
     await asyncio.sleep(0.05)
+    await wait_until(lambda: channel.channel._closed)
     assert channel.channel._closed
 
 

@@ -8,6 +8,7 @@ import errno
 import pytest
 
 from aiobrpc.transport import memory
+from tests.helpers.waiting import wait_until
 
 
 class Recorder(asyncio.Protocol):
@@ -122,6 +123,7 @@ async def test_paused_reading_holds_bytes_and_the_writer_is_paused_past_high_wat
     assert server.events == ["made"], "nothing is read while paused"
     server.transport.resume_reading()
     await asyncio.sleep(0.01)
+    await wait_until(lambda: b"".join(server.events[1:]) == b"x" * 8 + b"y" * 8)
     assert b"".join(server.events[1:]) == b"x" * 8 + b"y" * 8
     assert client.events == ["made", "pause_writing", "resume_writing"]
     assert client.transport.get_write_buffer_size() == 0

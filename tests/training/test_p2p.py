@@ -17,6 +17,7 @@ from aiobrpc._proto import collective_pb2 as pb
 from aiobrpc.training import CollectiveError, CollectiveTimeout, FileStore, Group
 from aiobrpc.training.group import SERVICE
 from aiobrpc.training.p2p import DATA, EAGER, HEADER
+from tests.helpers.waiting import wait_until
 
 BOUND = 20  # seconds: no test waits longer for anything
 
@@ -68,6 +69,7 @@ async def test_held_bytes_never_pass_the_cap_and_the_sender_falls_back_to_waitin
         msgs = [np.full(3000, k, np.uint8) for k in range(5)]  # 15 000 bytes: 3 fit, 2 wait
         sends = [g0.send(m, 1) for m in msgs]
         await asyncio.sleep(0.3)
+        await wait_until(lambda: g1.p2p.held_bytes[0] <= cap and g1.p2p.held_bytes[0] == 9000)
         assert g1.p2p.held_bytes[0] <= cap and g1.p2p.held_bytes[0] == 9000
         assert sum(s.done() for s in sends) == 3
         outs = [np.zeros(3000, np.uint8) for _ in msgs]

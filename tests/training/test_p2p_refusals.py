@@ -11,6 +11,7 @@ from aiobrpc._proto import collective_pb2 as pb
 from aiobrpc.controller import Controller
 from aiobrpc.training import FileStore, Group
 from aiobrpc.training.p2p import DATA, HEADER
+from tests.helpers.waiting import wait_until
 
 
 async def test_an_announced_message_gets_the_error_of_the_group_that_broke_under_it(tmp_path, caplog):
@@ -25,6 +26,7 @@ async def test_an_announced_message_gets_the_error_of_the_group_that_broke_under
             if g1.p2p.unmatched_count[0]:
                 break
             await asyncio.sleep(0.01)
+        await wait_until(lambda: g1.p2p.unmatched_count[0] == 1)
         assert g1.p2p.unmatched_count[0] == 1
         piece = pb.SendRequest(group=g1.id, src=0, coll=0, tag=5, seq=1, dtype="uint8", numel=4, nbytes=4,
                                phase=DATA, offset=0)
