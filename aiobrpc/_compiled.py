@@ -33,6 +33,8 @@ MODULES = (
     "aiobrpc.client.call",
     "aiobrpc.metrics",
     "aiobrpc.client.metrics",
+    "aiobrpc.deadlines",
+    "aiobrpc.protocol.events",
 )
 
 ENV = "AIOBRPC_NO_EXTENSIONS"

@@ -29,6 +29,7 @@ from .. import _fast, tracing
 from ..controller import AttemptInfo, Controller  # AttemptInfo: also importable from here, as before
 from ..errors import (EBACKUPREQUEST, ECANCELED, EFAILEDSOCKET, EINTERNAL, ELIMIT, ELOGOFF, EOVERCROWDED,
                       EREQUEST, ERESPONSE, ERPCTIMEDOUT, LocalProtocolError, RemoteProtocolError, RpcError)
+from ..options import RetryThrottle
 from ..protocol import baidu_std, content, streaming
 from ..protocol.utf8 import class_checker as _string_check
 from ..stream import connect_streams, streams_failed
@@ -119,8 +120,8 @@ class Call:
         self.deadline = None if timeout_ms < 0 else (started or loop.time()) + timeout_ms / 1000
         self.max_retry = opts.max_retry if cntl.max_retry is None else cntl.max_retry
         idempotent = cntl.idempotent
-        if idempotent is None:
-            idempotent = channel.is_idempotent(service_name, method_name)
+        if idempotent is None:  # is_idempotent's answer without its call where no method is listed
+            idempotent = True if not opts.non_idempotent_methods else channel.is_idempotent(service_name, method_name)
         self.idempotent = idempotent
         self.ctype = opts.connection_type if cntl.connection_type is None else cntl.connection_type
         streams = self.streams = cntl._streams
@@ -185,13 +186,20 @@ class Call:
         att = Attempt(self, backup)
         self.current = att
         try:
-            try:
-                pool = self.channel._select_server(self.excluded, self.cntl)
-            except RpcError as e:
-                self._ended(att, None, e)
-                return
+            pool = self.channel._single
+            if pool is None or not pool.available:  # else _select_server's answer, without its call
+                try:
+                    pool = self.channel._select_server(self.excluded, self.cntl)
+                except RpcError as e:
+                    self._ended(att, None, e)
+                    return
             att.pool = pool
-            conn = pool.ready(self.ctype)
+            if self.ctype == SINGLE:  # pool.ready's answer for it, without the call
+                conn = pool.single
+                if conn is not None and conn.is_closed:
+                    conn = None
+            else:
+                conn = pool.ready(self.ctype)
             if conn is not None:
                 self._send(att, conn)
             else:
@@ -263,7 +271,8 @@ class Call:
         cid = conn._next_cid
         conn._next_cid = cid + 1
         meta.correlation_id = cid
-        if conn.needs_credential and conn.credential is not None:
+        needs_credential = conn.needs_credential
+        if needs_credential and conn.credential is not None:
             meta.authentication_data = conn.credential
         fields = cntl._request_user_fields
         if fields:
@@ -298,7 +307,8 @@ class Call:
             for i, st in enumerate(streams):
                 st._attach(conn, i == 0)  # the response comes as the first message of the first
                 table.add(st)
-        conn.needs_credential = False  # only once the request that carries it is sure to go
+        if needs_credential:
+            conn.needs_credential = False  # only once the request that carries it is sure to go
         att.cid = cid
         conn.pending[cid] = att
         if cntl.response_attachment_into is not None:
@@ -355,8 +365,8 @@ class Call:
                 pool.log_off()
         throttle = opts.retry_throttle
         if code == 0:
-            if throttle is not None:
-                try:  # _ask's work, inline: this runs for every reply
+            if throttle is not None and (type(throttle) is not RetryThrottle or throttle.tokens < throttle.max_tokens):
+                try:  # _ask's work, inline: this runs for every reply (ours: not when it is full)
                     throttle.on_success()
                 except Exception as e:
                     raise CallbackFailed("retry_throttle.on_success", e) from None
@@ -432,8 +442,12 @@ class Call:
         # rounding a retry in the call's first millisecond is told 300.0000000001 of 300 ms.
         remaining_ms = float("inf") if self.deadline is None else round((self.deadline - self.loop.time()) * 1000, 3)
         policy = self.channel.options.retry_policy or _DEFAULT_RETRY_POLICY
-        self.cntl.retried_count = self.retried + 1
-        backoff_ms = _ask("retry_policy.backoff_ms", policy.backoff_ms, self.cntl, remaining_ms)
+        self.cntl.retried_count = self.retried + 1  # what the policy reads
+        try:
+            backoff_ms = _ask("retry_policy.backoff_ms", policy.backoff_ms, self.cntl, remaining_ms)
+        except CallbackFailed:
+            self.cntl.retried_count = self.retried  # no retry was made
+            raise
         self._exclude(att)  # counted once the policy did not fail the call
         self.retried += 1
         self.channel.stats.retries += 1
@@ -555,7 +569,8 @@ class Call:
                 cntl.correlation_id = side.cid
             elif side.pool is not None:
                 cntl.remote_side = side.pool.address
-        cntl.retried_count = self.retried
+        if self.retried:  # else the controller's default, 0 (a call starts with it forgotten)
+            cntl.retried_count = self.retried
         latency_us = cntl.latency_us = (_now_ns() - self.start_ns) // 1000
         if err is not None:
             cntl.error_code = err.code
@@ -687,10 +702,17 @@ def _parse_response(ev, response_class, cntl: Controller, max_decompressed_size:
             if check is not None and (len(data) > 4096 or not (
                     data.tobytes() if type(data) is memoryview else bytes(data)).isascii()):
                 _check_strings(check, response)
-            cntl.response_compress_type = 0
-            cntl.response_checksum_type = 0
-            cntl.response_checksum_with_attachment = False
-            cntl.response_attachment = ev.attachment
+            # The controller's response fields are at their defaults here (a call starts with
+            # them forgotten, and so does a retry after a discarded reply) unless an earlier
+            # attempt's reply failed its checks: read, they cost a third of being set.
+            if cntl.response_compress_type or cntl.response_checksum_type or \
+                    cntl.response_checksum_with_attachment:
+                cntl.response_compress_type = 0
+                cntl.response_checksum_type = 0
+                cntl.response_checksum_with_attachment = False
+            attachment = ev.attachment
+            if attachment is not None or cntl.response_attachment is not None:
+                cntl.response_attachment = attachment
             return response
     # Recorded before the checks, as C++ brpc does: a reply that fails them still shows what it declared.
     cntl.response_compress_type = meta.compress_type or 0

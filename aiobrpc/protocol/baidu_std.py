@@ -130,6 +130,15 @@ def pack(meta, data, attachment=None, magic: bytes = MAGIC) -> list:
     return [head, data, *views] if size else [head, *views]
 
 
+def buffers_size(buffers: list) -> int:
+    """The bytes of a message given as a list of buffers (bytes or byte memoryviews); here,
+    compiled with this module, since every message written is counted so."""
+    n = 0
+    for b in buffers:  # a loop, not sum(genexpr): no generator per message
+        n += len(b) if type(b) is bytes else b.nbytes
+    return n
+
+
 def attachment_views(buffers) -> list:
     """The non-empty byte views of an attachment given as a list or tuple of buffers."""
     views = []

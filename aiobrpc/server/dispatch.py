@@ -246,39 +246,36 @@ def success_response(request_meta, response, cntl: Controller) -> list:
                 attachment = _fast.byte_view(attachment)
         except Exception as e:
             raise RpcError(ERESPONSE, f"cntl.response_attachment cannot be sent: {exception_text(e)}") from None
+    # Packed here, not in a function of its own: one Python call less per reply.
     try:
-        return _pack_response(request_meta, serialized, attachment, cntl)
+        meta = _fast.RpcMeta()
+        meta.has_response = True
+        meta.error_code = 0
+        meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
+        if cntl.response_compress_type or cntl.response_checksum_type or cntl.response_checksum_with_attachment:
+            data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
+                                         cntl.response_checksum_type, cntl.response_checksum_with_attachment)
+        else:
+            data = serialized
+            meta.compress_type = 0
+        accepted = cntl._accepted_streams
+        if accepted:
+            first = accepted[0]
+            meta.stream_settings = streaming.encode_settings(first.id, first._max_buf_size > 0, True,
+                                                             [s.id for s in accepted[1:]])
+        fields = cntl._response_user_fields
+        if fields:
+            meta.user_fields = list(fields.items())
+        meta.content_type = 0
+        if meta.checksum_type is None:
+            # C++ quirk kept for byte-exact replies: with no response checksum, the request's
+            # checksum_value is echoed (with checksum_type 0, so it is never verified).
+            meta.checksum_type = 0
+            meta.checksum_value = request_meta.checksum_value if request_meta.checksum_value is not None else b""
+        return baidu_std.pack(meta, data, attachment)
     except Exception as e:  # what the handler set in cntl: user fields, compression, checksum
         raise RpcError(ERESPONSE, f"Fail to pack response={response.DESCRIPTOR.full_name}: "
                        f"{exception_text(e)}") from None
-
-
-def _pack_response(request_meta, serialized, attachment, cntl: Controller) -> list:
-    meta = _fast.RpcMeta()
-    meta.has_response = True
-    meta.error_code = 0
-    meta.correlation_id = request_meta.correlation_id if request_meta.correlation_id is not None else 0
-    if cntl.response_compress_type or cntl.response_checksum_type or cntl.response_checksum_with_attachment:
-        data = baidu_std.encode_data(meta, serialized, cntl.response_compress_type, attachment,
-                                     cntl.response_checksum_type, cntl.response_checksum_with_attachment)
-    else:
-        data = serialized
-        meta.compress_type = 0
-    accepted = cntl._accepted_streams
-    if accepted:
-        first = accepted[0]
-        meta.stream_settings = streaming.encode_settings(first.id, first._max_buf_size > 0, True,
-                                                         [s.id for s in accepted[1:]])
-    fields = cntl._response_user_fields
-    if fields:
-        meta.user_fields = list(fields.items())
-    meta.content_type = 0
-    if meta.checksum_type is None:
-        # C++ quirk kept for byte-exact replies: with no response checksum, the request's
-        # checksum_value is echoed (with checksum_type 0, so it is never verified).
-        meta.checksum_type = 0
-        meta.checksum_value = request_meta.checksum_value if request_meta.checksum_value is not None else b""
-    return baidu_std.pack(meta, data, attachment)
 
 
 def exception_text(e: BaseException) -> str:

@@ -24,7 +24,7 @@ import socket
 import time
 
 from ..errors import RemoteProtocolError
-from ..protocol.baidu_std import Decoder
+from ..protocol.baidu_std import Decoder, buffers_size  # noqa: F401  (buffers_size: also from here)
 from ..protocol.placement import PlacingDecoder
 
 log = logging.getLogger(__name__)
@@ -352,13 +352,6 @@ class FramedConnection(asyncio.BufferedProtocol):
         head = bytes(rbuf.peek(min(rbuf.available(), 32))).hex()
         protocol_error_log(logging.WARNING, "closing connection with %s: %s (next bytes: %s)",
                            self.peer, e, head or "none")
-
-
-def buffers_size(buffers: list) -> int:
-    n = 0
-    for b in buffers:  # a loop, not sum(genexpr): no generator per message
-        n += len(b) if type(b) is bytes else b.nbytes
-    return n
 
 
 def _fmt(addr) -> str:

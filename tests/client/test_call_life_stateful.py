@@ -1120,8 +1120,10 @@ class CallLife(RuleBasedStateMachine):
         else:
             when = timers[which % len(timers)][0]
             target = when if how == "to" else when + 0.0015
-        if self.in_flight and self.spec["deadline"] is None:
-            # No deadline: stay well within the isolation of a server marked down in this call.
+        if self.spec:
+            # Stay well within the isolation of a server marked down in this call (the model
+            # keeps it down until the next call's rest): also after the call ended, and for a
+            # call with no deadline. Waits past it once drew a health check's revival at +1 s.
             target = min(target, self.spec["start"] + 0.8)
             if target <= now:
                 return
