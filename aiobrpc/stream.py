@@ -102,7 +102,8 @@ class Stream:
             `max_buf_size` here.
         idle_timeout_ms (int): -1 (default): none. Otherwise, when no message was consumed for
             that long, the handler's `on_idle_timeout` runs (again after each such period); a
-            stream read by iteration ends with ERPCTIMEDOUT instead.
+            stream read by iteration ends with ERPCTIMEDOUT instead, and resets the peer's end
+            (an RST: the peer's stream fails with ECONNRESET, never ends as if closed).
         messages_in_batch (int): The most messages per `on_received_messages` (default 128).
         handler (StreamHandler | None): Receive by callbacks; None (default): by iteration
             (`async for message in stream`, or `await stream.read()`).
@@ -582,7 +583,9 @@ class Stream:
             return
         handler = self._handler
         if handler is None:
-            self._end(ERPCTIMEDOUT, f"no message was read for idle_timeout_ms={self._idle_timeout_ms}", _SEND_CLOSE)
+            # An RST, not a CLOSE: the peer must not take a stream that failed here for one
+            # that ended cleanly (its messages in flight would be lost without an error).
+            self._end(ERPCTIMEDOUT, f"no message was read for idle_timeout_ms={self._idle_timeout_ms}", _SEND_RST)
             return
         self._last_active = loop.time()
         self._idle_handle = loop.call_later(timeout, self._idle_check)

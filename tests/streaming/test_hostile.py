@@ -304,8 +304,9 @@ async def test_g10_idle_timeout():
             await asyncio.wait_for(iterated.read(), 2)
         assert ei.value.code == errors.ERPCTIMEDOUT
         await asyncio.sleep(0.05)
-        await wait_until(lambda: holder.streams[1].closed and holder.streams[1].error is None)
-        assert holder.streams[1].closed and holder.streams[1].error is None  # it got a CLOSE
+        await wait_until(lambda: holder.streams[1].closed)
+        # it got an RST, not a CLOSE: a peer must not take the timed-out stream for a finished one
+        assert holder.streams[1].closed and holder.streams[1].error.code == errors.ECONNRESET
         await with_handler.close()
         await channel.close()
 
