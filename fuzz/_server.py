@@ -51,9 +51,26 @@ def outcome(conn, t: H.FakeTransport) -> str:
     elif proto == "h2":
         what = "h2=" + " ".join(H.h2_frames(out))
     else:
-        what = "frames=" + "; ".join(H.baidu_frames(out))
+        what = "frames=" + "; ".join(_replies_in_cid_order(H.baidu_frames(out)))
     end = "aborted" if t.aborted else "closed" if t.closed else "open"
     return f"{proto} {end} {what}"
+
+
+def _replies_in_cid_order(frames: list[str]) -> list[str]:
+    """The PRPC replies sorted among their own places (STRM frames stay where they were): a
+    server answers pipelined requests as their handlers finish, and which of two sleeping
+    handlers finishes first while the input is still dribbling in is a race with the clock
+    (the twins differed on it beside a CPU hog), not a property of the bytes."""
+    at = [i for i, f in enumerate(frames) if f.startswith("PRPC ")]
+    out = list(frames)
+    for i, f in zip(at, sorted((frames[i] for i in at), key=_cid_key)):
+        out[i] = f
+    return out
+
+
+def _cid_key(frame: str):
+    head = frame.split(" ", 2)[1]  # "cid=N"
+    return (int(head[4:]) if head.startswith("cid=") and head[4:].isdigit() else -1, frame)
 
 
 async def drive(data: bytes, auth: bool, chunk: int, eof: bool) -> str:
