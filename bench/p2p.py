@@ -12,7 +12,10 @@ gives the median of the rounds' medians.
   sample; bytes / time. Beside it a raw TCP transfer of the same bytes between the same
   processes (sendall / recv_into, no framework): what loopback allows here.
 - all_to_all_single of 16 MiB per rank at world 4 (each rank sends 4 MiB to each rank):
-  algorithm bandwidth, bytes per rank / time.
+  algorithm bandwidth, bytes per rank / time. Beside it the same exchange over raw TCP
+  between the same processes (one socket per pair, the staggered order aiobrpc uses, each
+  step's sendall in a thread while recv_into fills the output, the rank's own part copied with
+  numpy): what any Python all_to_all over loopback sockets costs, with no framework.
 Needs torch (the "train" extra).
 """
 
@@ -82,6 +85,37 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def raw_mesh(rank: int, world: int, store) -> list:
+    """One connected TCP socket to each other rank (None for this rank), ports via the store."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    store.set(f"raw_a2a_{rank}", str(srv.getsockname()[1]))
+    socks: list = [None] * world
+    for peer in range(rank):  # connect to the lower ranks, accept the higher ones
+        s = socket.create_connection(("127.0.0.1", int(store.get(f"raw_a2a_{peer}"))))
+        s.sendall(rank.to_bytes(4, "big"))
+        socks[peer] = s
+    for _ in range(rank + 1, world):
+        s, _ = srv.accept()
+        hello = bytearray(4)
+        recv_into(s, memoryview(hello))
+        socks[int.from_bytes(hello, "big")] = s
+    srv.close()
+    for s in socks:
+        if s is not None:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return socks
+
+
+def raw_all_to_all(rank: int, world: int, socks: list, sender, out, inp) -> None:
+    """out[r] = rank r's inp[rank]: numpy byte views, the staggered order of exchange.py."""
+    for k in range(1, world):
+        dst, src = (rank + k) % world, (rank - k) % world
+        sent = sender.submit(socks[dst].sendall, inp[dst])
+        recv_into(socks[src], memoryview(out[src]))
+        sent.result()
+    out[rank][:] = inp[rank]
+
+
 def worker(rank: int, world: int, port: int, raw_port: int, args, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -143,13 +177,25 @@ def worker(rank: int, world: int, port: int, raw_port: int, args, queue) -> None
                 record(f"bw_{name}", timed(fn, args.budget, dist.barrier))
         sock.close()
     else:
+        import concurrent.futures
         per_rank = args.big
         send = torch.ones(per_rank // 4)
         recv = torch.empty(per_rank // 4)
+        socks = raw_mesh(rank, world, store)
+        sender = concurrent.futures.ThreadPoolExecutor(1)
+        part = per_rank // world
+        raw_in = [send.numpy().view("uint8")[r * part:(r + 1) * part] for r in range(world)]
+        raw_out = [recv.numpy().view("uint8")[r * part:(r + 1) * part] for r in range(world)]
+        fns = {"raw": lambda: raw_all_to_all(rank, world, socks, sender, raw_out, raw_in)}
+        for name in ("gloo", "aiobrpc"):
+            fns[name] = lambda g=groups[name]: dist.all_to_all_single(recv, send, group=g)
         for _ in range(args.rounds):
-            for name in ("gloo", "aiobrpc"):
-                record(f"a2a_{name}", timed(lambda g=groups[name]: dist.all_to_all_single(recv, send, group=g),
-                                            args.budget, dist.barrier))
+            for name in ("gloo", "aiobrpc", "raw"):
+                record(f"a2a_{name}", timed(fns[name], args.budget, dist.barrier))
+        sender.shutdown()
+        for s in socks:
+            if s is not None:
+                s.close()
     dist.destroy_process_group(ours)
     dist.destroy_process_group()
     if rank == 0:
@@ -191,7 +237,7 @@ def main() -> int:
           f"{mb / med['bw_aiobrpc']:,.0f} | {med['bw_gloo'] / med['bw_aiobrpc']:.2f}x | {mb / med['bw_raw']:,.0f} |")
     if four:
         print(f"| all_to_all_single {args.big >> 20} MiB per rank, world 4 (MB/s) | {mb / med['a2a_gloo']:,.0f} | "
-              f"{mb / med['a2a_aiobrpc']:,.0f} | {med['a2a_gloo'] / med['a2a_aiobrpc']:.2f}x | |")
+              f"{mb / med['a2a_aiobrpc']:,.0f} | {med['a2a_gloo'] / med['a2a_aiobrpc']:.2f}x | {mb / med['a2a_raw']:,.0f} |")
     print("(aiobrpc / gloo: speed ratio, >= 1.00x means aiobrpc is as fast or faster)")
     print()
     print("CPU per call of rank 0's process (all its threads), user + system, microseconds:")
