@@ -42,6 +42,14 @@ def _writable_bytes(buf: Any) -> memoryview:
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
+# What a call leaves in a controller (its response fields first): forgotten before the next call.
+_RESPONSE_FIELDS = frozenset(("response_attachment", "_response_user_fields", "response_compress_type",
+                              "response_checksum_type", "response_checksum_with_attachment"))
+_RESULT_FIELDS = _RESPONSE_FIELDS | frozenset((
+    "error_code", "error_text", "retried_count", "has_backup_request", "_attempts", "remote_side",
+    "local_side", "correlation_id", "latency_us", "_sub_controllers"))
+
+
 class Controller:
     """Settings of one call (client) or the view of one request (server).
 
@@ -373,16 +381,15 @@ class Controller:
     def reset_result(self) -> None:
         """Forget the result of a previous call made with this controller."""
         d = self.__dict__
-        for name in ("error_code", "error_text", "retried_count", "has_backup_request", "_attempts",
-                     "remote_side", "local_side", "correlation_id", "latency_us", "_sub_controllers"):
-            d.pop(name, None)
-        self._forget_response()
+        # Only the names that are there: a controller's dict holds a few settings, so this
+        # walks them instead of trying all fifteen names (every call that passes a controller).
+        for name in _RESULT_FIELDS.intersection(d):
+            del d[name]
 
     def _forget_response(self) -> None:
         d = self.__dict__
-        for name in ("response_attachment", "_response_user_fields", "response_compress_type",
-                     "response_checksum_type", "response_checksum_with_attachment"):
-            d.pop(name, None)
+        for name in _RESPONSE_FIELDS.intersection(d):
+            del d[name]
 
     def __repr__(self) -> str:
         state = f"failed [E{self.error_code}]{self.error_text}" if self.failed else "ok"

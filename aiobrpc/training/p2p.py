@@ -55,7 +55,11 @@ def byte_view(tensor: Any, what: str = "tensor") -> tuple[str, int, tuple[int, .
     if isinstance(tensor, np.ndarray):
         if not tensor.flags.c_contiguous:
             raise ValueError(f"{what} is not C-contiguous (strides {tensor.strides})")
-        return tensor.dtype.name, tensor.size, tensor.shape, tensor.reshape(-1).view(np.uint8)
+        dtype = tensor.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _dtype_name(dtype)
+        return name, tensor.size, tensor.shape, tensor.reshape(-1).view(np.uint8)
     torch = _torch()
     if torch is None or not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a numpy array or a torch CPU tensor, got {type(tensor).__name__}")
@@ -66,6 +70,19 @@ def byte_view(tensor: Any, what: str = "tensor") -> tuple[str, int, tuple[int, .
     flat = tensor.detach().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
     return str(tensor.dtype).replace("torch.", ""), tensor.numel(), tuple(tensor.shape), raw.numpy()
+
+
+# numpy computes a dtype's name in Python on every read (a few hundred bytecodes): the names
+# of the dtypes seen are kept, at most _MAX_DTYPE_NAMES (structured dtypes are endless).
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+_MAX_DTYPE_NAMES = 256
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    name = dtype.name
+    if len(_DTYPE_NAMES) < _MAX_DTYPE_NAMES:
+        _DTYPE_NAMES[dtype] = name
+    return name
 
 
 def _torch():
@@ -256,14 +273,17 @@ class P2P:
             await self._call(dst, req, None)
             req.phase = DATA
             pieces = [(a, min(a + g.segment_bytes, buf.nbytes)) for a in range(0, buf.nbytes, g.segment_bytes)]
-            for i in range(0, len(pieces), g.window):
-                calls = []
-                for a, b in pieces[i:i + g.window]:
-                    piece = pb.SendRequest()
-                    piece.CopyFrom(req)
-                    piece.offset = a
-                    calls.append(self._call(dst, piece, buf[a:b]))
-                await asyncio.gather(*calls)
+            if len(pieces) == 1:  # the usual case (segment_bytes is 8 MiB): no task for one call
+                await self._call(dst, req, buf)
+            else:
+                for i in range(0, len(pieces), g.window):
+                    calls = []
+                    for a, b in pieces[i:i + g.window]:
+                        piece = pb.SendRequest()
+                        piece.CopyFrom(req)
+                        piece.offset = a
+                        calls.append(self._call(dst, piece, buf[a:b]))
+                    await asyncio.gather(*calls)
             _set(done, None)
         except CollectiveError as e:
             _set(done, e)
@@ -275,9 +295,8 @@ class P2P:
 
     async def _call(self, dst: int, req: pb.SendRequest, data: np.ndarray | None) -> pb.Ack:
         g = self.group
-        cntl = Controller(timeout_ms=int(g.timeout * 1000) + 1000, max_retry=0)
-        if data is not None and data.nbytes:
-            cntl.request_attachment = data
+        # The group's channels carry its timeout and max_retry=0: a controller only for data.
+        cntl = Controller(request_attachment=data) if data is not None and data.nbytes else None
         try:
             ack = await g._stub(dst).Send(req, cntl)
         except RpcError as e:

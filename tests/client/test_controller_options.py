@@ -37,6 +37,25 @@ def test_reset_result_forgets_the_previous_call():
     assert cntl.attempts == [] and cntl.log_id == 3  # settings stay
 
 
+def test_reset_result_forgets_the_previous_response_and_keeps_every_setting():
+    cntl = aiobrpc.Controller(timeout_ms=50, max_retry=2, request_attachment=b"req", request_checksum=True)
+    cntl.request_user_fields["k"] = "v"
+    cntl.response_attachment = memoryview(b"resp")
+    cntl._response_user_fields = {"a": "b"}
+    cntl.response_compress_type, cntl.response_checksum_type = 1, 1
+    cntl.response_checksum_with_attachment = True
+    cntl.reset_result()
+    assert cntl.response_attachment is None and cntl.response_user_fields == {}
+    assert (cntl.response_compress_type, cntl.response_checksum_type) == (0, 0)
+    assert cntl.response_checksum_with_attachment is False
+    assert (cntl.timeout_ms, cntl.max_retry, cntl.request_attachment) == (50, 2, b"req")
+    assert cntl.request_checksum and cntl.request_user_fields == {"k": "v"}
+    fresh = aiobrpc.Controller(log_id=1)
+    before = dict(vars(fresh))
+    fresh.reset_result()  # nothing to forget
+    assert vars(fresh) == before
+
+
 def test_circuit_breaker_options_are_checked_when_the_options_are_made():
     opts = aiobrpc.ChannelOptions(enable_circuit_breaker=True,
                                   circuit_breaker_options={"short_window": 10, "short_error_percent": 20})

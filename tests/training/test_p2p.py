@@ -16,10 +16,21 @@ from aiobrpc.stub import Stub
 from aiobrpc._proto import collective_pb2 as pb
 from aiobrpc.training import CollectiveError, CollectiveTimeout, FileStore, Group
 from aiobrpc.training.group import SERVICE
+from aiobrpc.training import p2p as p2p_module
 from aiobrpc.training.p2p import DATA, EAGER, HEADER
 from tests.helpers.waiting import wait_until
 
 BOUND = 20  # seconds: no test waits longer for anything
+
+
+def test_dtype_names_are_numpy_s_and_their_cache_is_bounded():
+    for dtype in (np.float32, np.int64, np.bool_, np.complex64, ">f4", "S5"):
+        a = np.zeros(3, dtype)
+        assert p2p_module.byte_view(a)[0] == a.dtype.name
+    for i in range(p2p_module._MAX_DTYPE_NAMES + 50):  # structured dtypes: one name each, endless
+        a = np.zeros(2, [(f"f{i}", np.int32)])
+        assert p2p_module.byte_view(a)[0] == a.dtype.name
+    assert len(p2p_module._DTYPE_NAMES) == p2p_module._MAX_DTYPE_NAMES
 
 
 async def _groups(tmp_path, world=2, timeout=5.0, **options) -> list[Group]:
