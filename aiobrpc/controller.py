@@ -382,14 +382,17 @@ class Controller:
         """Forget the result of a previous call made with this controller."""
         d = self.__dict__
         # Only the names that are there: a controller's dict holds a few settings, so this
-        # walks them instead of trying all fifteen names (every call that passes a controller).
-        for name in _RESULT_FIELDS.intersection(d):
-            del d[name]
+        # walks them instead of trying all fifteen names (every call that passes a controller;
+        # a fresh one has none of them).
+        if not _RESULT_FIELDS.isdisjoint(d):
+            for name in _RESULT_FIELDS.intersection(d):
+                del d[name]
 
     def _forget_response(self) -> None:
         d = self.__dict__
-        for name in _RESPONSE_FIELDS.intersection(d):
-            del d[name]
+        if not _RESPONSE_FIELDS.isdisjoint(d):
+            for name in _RESPONSE_FIELDS.intersection(d):
+                del d[name]
 
     def __repr__(self) -> str:
         state = f"failed [E{self.error_code}]{self.error_text}" if self.failed else "ok"
