@@ -55,10 +55,7 @@ def byte_view(tensor: Any, what: str = "tensor") -> tuple[str, int, tuple[int, .
     if isinstance(tensor, np.ndarray):
         if not tensor.flags.c_contiguous:
             raise ValueError(f"{what} is not C-contiguous (strides {tensor.strides})")
-        dtype = tensor.dtype
-        name = _DTYPE_NAMES.get(dtype)
-        if name is None:
-            name = _dtype_name(dtype)
+        name = _DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype)
         return name, tensor.size, tensor.shape, tensor.reshape(-1).view(np.uint8)
     torch = _torch()
     if torch is None or not isinstance(tensor, torch.Tensor):
@@ -273,17 +270,10 @@ class P2P:
             await self._call(dst, req, None)
             req.phase = DATA
             pieces = [(a, min(a + g.segment_bytes, buf.nbytes)) for a in range(0, buf.nbytes, g.segment_bytes)]
-            if len(pieces) == 1:  # the usual case (segment_bytes is 8 MiB): no task for one call
-                await self._call(dst, req, buf)
-            else:
-                for i in range(0, len(pieces), g.window):
-                    calls = []
-                    for a, b in pieces[i:i + g.window]:
-                        piece = pb.SendRequest()
-                        piece.CopyFrom(req)
-                        piece.offset = a
-                        calls.append(self._call(dst, piece, buf[a:b]))
-                    await asyncio.gather(*calls)
+            for i in range(0, len(pieces), g.window):
+                calls = [self._call(dst, _piece(req, a), buf[a:b]) for a, b in pieces[i:i + g.window]]
+                # One call (a message in one piece: segment_bytes is 8 MiB) needs no task and no gather.
+                await (calls[0] if len(calls) == 1 else asyncio.gather(*calls))
             _set(done, None)
         except CollectiveError as e:
             _set(done, e)
@@ -499,6 +489,17 @@ class P2P:
         self._unmatched.clear()
         self.held_bytes = [0] * len(self.held_bytes)
         self.unmatched_count = [0] * len(self.unmatched_count)
+
+
+def _piece(req: pb.SendRequest, offset: int) -> pb.SendRequest:
+    """The DATA request of the piece at `offset`: `req` itself for the first (offset 0, as `req`
+    has it), a copy for the others, which are in flight beside it."""
+    if offset == 0:
+        return req
+    piece = pb.SendRequest()
+    piece.CopyFrom(req)
+    piece.offset = offset
+    return piece
 
 
 def _set(fut: asyncio.Future, value: Any) -> None:
