@@ -42,32 +42,33 @@ class BuildExtOrPure(build_ext):
             print(PURE_FALLBACK.format(error=error), file=sys.stderr, flush=True)
 
 
-def compiled_in_place() -> list[str]:
-    """The .py files of aiobrpc._compiled.MODULES (read, not imported: the package's
-    dependencies need not be installed while it builds)."""
+def compiled_in_place(name: str = "MODULES") -> list[str]:
+    """The .py files of aiobrpc._compiled.MODULES, or of another list there (read, not
+    imported: the package's dependencies need not be installed while it builds)."""
     with open("aiobrpc/_compiled.py") as f:
         tree = ast.parse(f.read())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["MODULES"]:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == [name]:
             return [name.replace(".", "/") + ".py" for name in ast.literal_eval(node.value)]
-    raise SystemExit("aiobrpc/_compiled.py has no MODULES")
+    raise SystemExit(f"aiobrpc/_compiled.py has no {name}")
 
 
 ext_modules = []
 if os.environ.get("AIOBRPC_NO_EXTENSIONS", "") in ("", "0"):
     from Cython.Build import cythonize
 
-    # The kernels index raw buffers: C semantics where they say so.
+    # The kernels index raw buffers: C semantics where they say so. Their types come from the
+    # .pxd beside them and from cython.locals, not from annotations, which are documentation.
+    c_semantics = compiled_in_place("C_SEMANTICS")
     ext_modules = cythonize(
-        ["aiobrpc/_fast/iobuf.pyx", "aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.pyx"],
+        ["aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.pyx", *c_semantics],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False,
-                             "cdivision": True, "embedsignature": True},
+                             "cdivision": True, "embedsignature": True, "annotation_typing": False},
     )
-    # The modules compiled in place must mean what they mean as Python (negative indexes,
-    # floor division); their types come from the .pxd beside them, not from annotations,
-    # which are documentation there.
+    # The other modules compiled in place must mean what they mean as Python (negative
+    # indexes, floor division).
     ext_modules += cythonize(
-        compiled_in_place(),
+        [path for path in compiled_in_place() if path not in c_semantics],
         compiler_directives={"language_level": "3", "annotation_typing": False},
     )
 

@@ -23,6 +23,7 @@ selected at run time as before (`_fast.use`).
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import os
 import sys
 
@@ -35,7 +36,12 @@ MODULES = (
     "aiobrpc.client.metrics",
     "aiobrpc.deadlines",
     "aiobrpc.protocol.events",
+    "aiobrpc._fast.iobuf",
 )
+
+# Modules of MODULES that index raw buffers: compiled with C semantics (no bounds checks, no
+# negative indexes, C division), their C code written under `if cython.compiled:`.
+C_SEMANTICS = ("aiobrpc._fast.iobuf",)
 
 ENV = "AIOBRPC_NO_EXTENSIONS"
 
@@ -74,3 +80,24 @@ def compiled() -> dict[str, bool]:
         module = sys.modules.get(name) or importlib.import_module(name)
         out[name] = isinstance(getattr(module, "__loader__", None), importlib.machinery.ExtensionFileLoader)
     return out
+
+
+def load_source(name: str):
+    """The Python build of module `name` (one of MODULES) as a separate module object, beside
+    whichever build `import` chose: tests and fuzzers compare the two in one process. Its
+    classes are not the imported module's classes; each build works with its own."""
+    if name not in MODULES:
+        raise ValueError(f"{name} is not compiled in place")
+    package, _, leaf = name.rpartition(".")
+    private = f"{package}._source_of_{leaf}"
+    if private in sys.modules:
+        return sys.modules[private]
+    path = importlib.import_module(package).__path__
+    spec = importlib.machinery.FileFinder(path[0], PureSourceFinder._loader).find_spec(name)
+    if spec is None:
+        raise ImportError(f"no .py source of {name}")
+    spec = importlib.util.spec_from_file_location(private, spec.origin)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[private] = module
+    spec.loader.exec_module(module)
+    return module

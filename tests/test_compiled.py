@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import aiobrpc
 from aiobrpc import _compiled, _fast
 
@@ -48,3 +50,25 @@ def test_the_source_finder_takes_only_listed_modules():
     assert spec.origin.endswith("inline.py")
     assert finder.find_spec("aiobrpc.server.server", path) is None
     assert finder.find_spec("aiobrpc.server.inline", None) is None
+
+
+def test_a_kernel_runs_from_its_source_without_cython_installed():
+    # Cython compiles; it is not needed to run: the pure build reads `cython.compiled` from
+    # aiobrpc/_cython_shim.py when `import cython` fails.
+    code = ("import sys; sys.modules['cython'] = None\n"
+            "from aiobrpc._fast import iobuf, FrameReader\n"
+            "r = FrameReader(); r.feed(b'PRPC' + (3).to_bytes(4, 'big') + (1).to_bytes(4, 'big') + b'mab')\n"
+            "kind, meta, payload = r.next_frame()\n"
+            "print(iobuf.__file__.endswith('.py'), kind, bytes(meta), bytes(payload), r.rbuf.copied_bytes)")
+    assert _run(code, AIOBRPC_NO_EXTENSIONS="1") == "True 1 b'm' b'ab' 0"
+
+
+def test_load_source_gives_the_python_build_beside_the_imported_one():
+    source = _compiled.load_source("aiobrpc._fast.iobuf")
+    assert source.__file__.endswith("iobuf.py") and source is _compiled.load_source("aiobrpc._fast.iobuf")
+    assert source.ReadBuffer is not _fast.ReadBuffer
+    rb = source.ReadBuffer(512, 128)
+    rb.feed(b"x" * 100)
+    assert bytes(rb.take(100)) == b"x" * 100
+    with pytest.raises(ValueError, match="not compiled in place"):
+        _compiled.load_source("aiobrpc.server.server")

@@ -1,11 +1,12 @@
-"""The hot path: Cython kernels with pure-Python twins of identical API.
+"""The hot path: the kernels of the call path (receive buffer and send chain, frame reader,
+meta codec).
 
-The compiled modules (framing, iobuf, meta) are used unless they are missing or the
-environment sets AIOBRPC_NO_EXTENSIONS=1. Other layers look names up on this module at call
-time (`_fast.FrameReader(...)`), so `use("python")` switches every layer's kernels at once (the
-benches compare the twins so). The modules compiled in place (aiobrpc/_compiled.py) are chosen
-once per process instead: the pure twin of the whole library is a process started with
-AIOBRPC_NO_EXTENSIONS=1, as the test suite runs it. Type checkers see the pure twins.
+`iobuf` is one source compiled in place like the modules of aiobrpc/_compiled.py: compiled or
+Python is chosen once per process (Python where it is not built or AIOBRPC_NO_EXTENSIONS=1 is
+set). `framing` and `meta` are still Cython kernels with pure-Python twins of identical API,
+used compiled unless missing or AIOBRPC_NO_EXTENSIONS=1 is set; other layers look names up on
+this module at call time (`_fast.FrameReader(...)`), so `use("python")` switches those two at
+once (the benches compare the twins so). Type checkers see the pure twins.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._compiled import pure_requested
-from . import framing_py, iobuf_py, meta_py
+from . import framing_py, iobuf, meta_py
 
 _EXPORTS = {
     "framing": ("FrameReader", "parse_header", "pack_header", "magic_prefix_ok", "split_payload",
@@ -26,19 +27,19 @@ if TYPE_CHECKING:
     from .framing_py import (ATTACHMENT_PIN_RATIO, DEFAULT_MAX_BODY_SIZE, KIND_PRPC, KIND_STRM,
                              FrameReader, magic_prefix_ok, pack_header, parse_header,
                              split_payload)
-    from .iobuf_py import HEADER_SIZE, IOBuf, LargeBufferCache, ReadBuffer, byte_view, large_buffers
+    from .iobuf import HEADER_SIZE, IOBuf, LargeBufferCache, ReadBuffer, byte_view, large_buffers
     from .meta_py import MAX_USER_FIELDS, RpcMeta, decode_meta, encode_meta, pack_head
 
 
 def _compiled():
     try:
-        from . import framing, iobuf, meta  # type: ignore[attr-defined]
+        from . import framing, meta  # type: ignore[attr-defined]
     except ImportError:
         return None
     return {"framing": framing, "iobuf": iobuf, "meta": meta}
 
 
-_PURE = {"framing": framing_py, "iobuf": iobuf_py, "meta": meta_py}
+_PURE = {"framing": framing_py, "iobuf": iobuf, "meta": meta_py}
 _COMPILED = None if pure_requested() else _compiled()
 
 IMPLEMENTATION = "python"

@@ -14,7 +14,7 @@ connection instead of silently dropping the frame (A6).
 from __future__ import annotations
 
 from ..errors import LocalProtocolError, RemoteProtocolError
-from .iobuf_py import DEFAULT_BLOCK_SIZE, DEFAULT_LARGE_THRESHOLD, HEADER_SIZE, ReadBuffer
+from .iobuf import DEFAULT_BLOCK_SIZE, DEFAULT_LARGE_THRESHOLD, HEADER_SIZE, ReadBuffer
 
 KIND_PRPC = 1
 KIND_STRM = 2

@@ -17,13 +17,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiobrpc._fast import framing_py, iobuf_py, meta_py
+from aiobrpc import _compiled
+from aiobrpc._fast import framing_py, meta_py
 from aiobrpc.errors import ProtocolError
 from tests.helpers.wire import vi
 
+if not _compiled.compiled()["aiobrpc._fast.iobuf"]:  # the other kernels are built with it
+    pytest.skip("the compiled kernels are not built, or not chosen (AIOBRPC_NO_EXTENSIONS)",
+                allow_module_level=True)
 meta_c = pytest.importorskip("aiobrpc._fast.meta")
 framing_c = pytest.importorskip("aiobrpc._fast.framing")
 iobuf_c = pytest.importorskip("aiobrpc._fast.iobuf")
+iobuf_py = _compiled.load_source("aiobrpc._fast.iobuf")  # the same source run as Python
 
 FIELDS = meta_py.RpcMeta.__slots__
 HEADER = iobuf_py.HEADER_SIZE

@@ -1,4 +1,5 @@
-"""IOBuf-like buffers, pure-Python twin of `iobuf.pyx`.
+"""IOBuf-like buffers: one source, compiled by Cython (pure-Python mode, types in iobuf.pxd)
+or run as Python (aiobrpc/_compiled.py chooses, once per process).
 
 `IOBuf` is the send side: a queue of the caller's buffers, appended without a copy and cut
 into memoryviews.
@@ -24,6 +25,13 @@ into memoryviews.
   large frame, reads at a frame boundary ask the kernel for the rest of the 12-byte header
   only, so a stream of large frames is received with at most 12 bytes per frame copied in
   user space; `copied_bytes` counts what was moved.
+
+"No view of the block is alive" is decided from the block's reference count: every memoryview
+of it (through its managed buffer) and every other holder owns a reference, and this object
+keeps none beyond `_block`. Compiled, the count is read in C without taking a reference, and
+the bytearray's buffer-export count is checked as well, so a live export cannot be missed.
+The code under `if cython.compiled:` does in C what the line beside it does in Python: read a
+view's length, edit a fresh view's bounds instead of slicing it, copy with memcpy.
 """
 
 from __future__ import annotations
@@ -32,14 +40,19 @@ import ctypes
 import sys
 from collections import deque
 
+try:
+    import cython
+except ImportError:  # the pure build runs without Cython
+    from .. import _cython_shim as cython
+
 from ..errors import LocalProtocolError
 
-HEADER_SIZE = 12
+HEADER_SIZE = _HEADER = 12  # _HEADER and _ALIGN are C constants when compiled
 DEFAULT_BLOCK_SIZE = 256 * 1024
 DEFAULT_LARGE_THRESHOLD = 64 * 1024
 LARGE_CACHE_MAX_BYTES = 64 * 1024 * 1024
 LARGE_CACHE_MAX_BUFFERS = 16
-LARGE_ALIGN = 64
+LARGE_ALIGN = _ALIGN = 64
 
 
 class LargeBufferCache:
@@ -64,8 +77,13 @@ class LargeBufferCache:
         buffers = self._buffers
         for i in range(len(buffers)):
             buf = buffers[i]
-            # references: the list, `buf`, and getrefcount's argument
-            if len(buf) == size and sys.getrefcount(buf) == 3:
+            if len(buf) != size:
+                continue
+            if cython.compiled:
+                unused = _refcnt(cython.cast(cython.pointer(PyObject), buf)) == 2  # the list, `buf`
+            else:
+                unused = sys.getrefcount(buf) == 3  # the list, `buf`, getrefcount's argument
+            if unused:
                 del buffers[i]
                 self.nbytes -= size
                 return buf
@@ -88,12 +106,48 @@ class LargeBufferCache:
         return len(self._buffers)
 
 
-large_buffers = LargeBufferCache()
+large_buffers = _large_buffers = LargeBufferCache()
 
 
 def _address(buf: bytearray) -> int:
     """Where `buf`'s bytes are in memory (the export ctypes takes ends with this call)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if cython.compiled:
+        return cython.cast(cython.size_t, PyByteArray_AS_STRING(buf))
+    else:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _view_len(view) -> int:
+    """Bytes in a flat byte memoryview."""
+    if cython.compiled:
+        return PyMemoryView_GET_BUFFER(view).len
+    else:
+        return view.nbytes
+
+
+def _narrow(view: memoryview, start: int, n: int) -> memoryview:
+    """view[start:start + n] of a fresh 1-D byte memoryview nobody else has seen.
+
+    Compiled, slicing would cost a slice object, two ints and one more memoryview: this edits
+    the new view's own copy of the Py_buffer, which is all slicing does. The range must lie
+    inside the view."""
+    if cython.compiled:
+        b = PyMemoryView_GET_BUFFER(view)
+        b.buf = cython.cast(cython.p_char, b.buf) + start
+        b.len = n
+        b.shape[0] = n
+        return view
+    else:
+        return view[start:start + n]
+
+
+def _copy(dst: bytearray, at: int, src: bytearray, start: int, n: int) -> None:
+    """dst[at:at + n] = src[start:start + n], both inside their buffers (they may overlap)."""
+    if cython.compiled:
+        memmove(PyByteArray_AS_STRING(dst) + at, PyByteArray_AS_STRING(src) + start,
+                cython.cast(cython.size_t, n))
+    elif n:
+        dst[at:at + n] = memoryview(src)[start:start + n]
 
 
 def _as_bytes_view(obj) -> memoryview:
@@ -129,27 +183,35 @@ class IOBuf:
     def __len__(self) -> int:
         return self._size
 
+    @cython.locals(n=cython.Py_ssize_t)
     def append(self, buf) -> None:
+        if type(buf) is bytes:
+            n = len(buf)
+            if n:
+                self._chunks.append(buf)
+                self._size += n
+            return
         mv = _as_bytes_view(buf)
-        n = mv.nbytes
+        n = _view_len(mv)
         if n:
-            self._chunks.append(buf if type(buf) is bytes else mv)
+            self._chunks.append(mv)
             self._size += n
 
     def extend(self, bufs) -> None:
         for b in bufs:
             self.append(b)
 
+    @cython.locals(count=cython.Py_ssize_t, left=cython.Py_ssize_t, size=cython.Py_ssize_t)
     def cut(self, n: int) -> list:
         """Remove and return the first `n` bytes as a list of buffers (views, never copies)."""
         if n < 0 or n > self._size:
             raise LocalProtocolError(f"cannot cut {n} bytes from an IOBuf of {self._size}")
+        count = left = n
         out = []
-        left = n
         chunks = self._chunks
         while left:
             head = chunks[0]
-            size = len(head) if type(head) is bytes else head.nbytes
+            size = len(head) if type(head) is bytes else _view_len(head)
             if size <= left:
                 out.append(chunks.popleft())
                 left -= size
@@ -158,7 +220,7 @@ class IOBuf:
                 out.append(mv[:left])
                 chunks[0] = mv[left:]
                 left = 0
-        self._size -= n
+        self._size -= count
         return out
 
     def cut_all(self) -> list:
@@ -173,15 +235,22 @@ class IOBuf:
 
 
 class ReadBuffer:
-    """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated)."""
+    """Receive buffer for asyncio.BufferedProtocol (get_buffer / buffer_updated).
 
-    __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled", "_large_total",
-                 "_large_pad", "_complete", "reused_large_buffers", "_header_only", "large_threshold",
-                 "copied_bytes")
+    Every method that moves the positions checks its input: compiled, a wrong size would be a
+    wild pointer in the frame reader, not an odd view. The methods with a leading underscore
+    are C functions when compiled (the frame reader calls them so); each public one is their
+    Python entry.
+    """
+
+    if not cython.compiled:
+        __slots__ = ("_block", "_block_size", "_start", "_end", "_large", "_large_filled",
+                     "_large_total", "_large_pad", "_complete", "reused_large_buffers",
+                     "_header_only", "large_threshold", "copied_bytes")
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
                  large_threshold: int = DEFAULT_LARGE_THRESHOLD) -> None:
-        if block_size < 2 * large_threshold or large_threshold < HEADER_SIZE:
+        if block_size < 2 * large_threshold or large_threshold < _HEADER:
             raise LocalProtocolError(
                 f"block_size ({block_size}) must be at least twice large_threshold ({large_threshold})")
         self._block_size = block_size
@@ -200,10 +269,13 @@ class ReadBuffer:
 
     # -- kernel side -------------------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
+        return self._get_buffer()
+
+    def _get_buffer(self) -> memoryview:
         if self._large is not None:
             if self._large_filled < self._large_total:
-                pad = self._large_pad
-                return memoryview(self._large)[pad + self._large_filled:pad + self._large_total + HEADER_SIZE]
+                return _narrow(memoryview(self._large), self._large_pad + self._large_filled,
+                               self._large_total + _HEADER - self._large_filled)
             # Complete but not taken yet (a caller feeding before parsing): park it and go on
             # reading into the block.
             self._complete = self._finish_large()
@@ -212,16 +284,19 @@ class ReadBuffer:
             if len(self._block) != self._block_size:
                 self._block = bytearray(self._block_size)
         free = len(self._block) - self._end
-        if free < HEADER_SIZE or (free < self.large_threshold and self._start != self._end):
+        if free < _HEADER or (free < self.large_threshold and self._start != self._end):
             self._new_block()
-        if self._header_only and self._end - self._start < HEADER_SIZE:
+        if self._header_only and self._end - self._start < _HEADER:
             # After a large frame: read just the rest of the next header, so a following large
             # frame is received straight into its own buffer.
-            return memoryview(self._block)[self._end:self._start + HEADER_SIZE]
-        return memoryview(self._block)[self._end:]
+            return _narrow(memoryview(self._block), self._end, self._start + _HEADER - self._end)
+        return _narrow(memoryview(self._block), self._end, len(self._block) - self._end)
 
     def buffer_updated(self, nbytes: int) -> None:
-        room = (self._large_total + HEADER_SIZE - self._large_filled if self._large is not None
+        self._buffer_updated(nbytes)
+
+    def _buffer_updated(self, nbytes: int) -> int:
+        room = (self._large_total + _HEADER - self._large_filled if self._large is not None
                 else len(self._block) - self._end)
         if nbytes < 0 or nbytes > room:
             raise LocalProtocolError(
@@ -230,18 +305,25 @@ class ReadBuffer:
             self._large_filled += nbytes
         else:
             self._end += nbytes
-            if self._header_only and self._end - self._start > HEADER_SIZE:
+            if self._header_only and self._end - self._start > _HEADER:
                 self._header_only = False
+        return 0
 
+    @cython.locals(pos=cython.Py_ssize_t, n=cython.Py_ssize_t, k=cython.Py_ssize_t)
     def feed(self, data) -> None:
         """Copy `data` in as if the kernel had read it (tests and non-buffered transports)."""
         mv = _as_bytes_view(data)
-        pos, n = 0, mv.nbytes
+        pos, n = 0, _view_len(mv)
         while pos < n:
-            buf = self.get_buffer(n - pos)
-            k = min(len(buf), n - pos)
-            buf[:k] = mv[pos:pos + k]
-            self.buffer_updated(k)
+            buf = self._get_buffer()  # never empty
+            k = min(_view_len(buf), n - pos)
+            if cython.compiled:
+                memmove(PyMemoryView_GET_BUFFER(buf).buf,
+                        cython.cast(cython.p_char, PyMemoryView_GET_BUFFER(mv).buf) + pos,
+                        cython.cast(cython.size_t, k))
+            else:
+                buf[:k] = mv[pos:pos + k]
+            self._buffer_updated(k)
             pos += k
 
     # -- parser side -------------------------------------------------------------------------
@@ -255,42 +337,55 @@ class ReadBuffer:
     def take(self, n: int) -> memoryview:
         """Consume `n` bytes of the block, returned as a view (no copy)."""
         s = self._start
-        self.skip(n)
-        return memoryview(self._block)[s:s + n]
+        self._consume(n)
+        return memoryview(self._block)[s:self._start]
 
     def skip(self, n: int) -> None:
+        self._consume(n)
+
+    def _consume(self, n: int) -> int:
         if n < 0 or n > self._end - self._start:
             raise LocalProtocolError(
                 f"cannot consume {n} bytes, {self._end - self._start} are available")
         self._start += n
+        return 0
 
     def begin_large(self, total: int) -> None:
         """The frame starting at the read position is `total` bytes: give it its own buffer."""
+        self._begin_large(total)
+
+    def _begin_large(self, total: int) -> int:
         have = self._end - self._start
-        size = total + HEADER_SIZE + LARGE_ALIGN
-        large = large_buffers.take(size)
+        size = total + _HEADER + _ALIGN
+        large = _large_buffers.take(size)
         if large is not None:
             self.reused_large_buffers += 1
         else:
             large = bytearray(size)
-        if have > total + HEADER_SIZE:  # only a direct begin_large() with a made-up total
-            pad = 0
-            large[:have] = memoryview(self._block)[self._start:self._end]
+        pad = 0
+        if have > total + _HEADER:  # only a direct begin_large() with a made-up total
+            large[:have] = memoryview(self._block)[self._start:self._end]  # may grow `large`
         else:
-            pad = -(_address(large) + total) % LARGE_ALIGN
-            large[pad:pad + have] = memoryview(self._block)[self._start:self._end]
+            # The frame ends LARGE_ALIGN-aligned, so its attachment (the frame's end) starts
+            # aligned to its size's power of two (the module's docstring).
+            pad = (_ALIGN - (_address(large) + total) % _ALIGN) % _ALIGN
+            _copy(large, pad, self._block, self._start, have)
         self.copied_bytes += have
         self._large_pad = pad
         self._start = self._end
         self._large = large
         self._large_filled = have
         self._large_total = total
+        return 0
 
     def large_pending(self) -> bool:
         return self._large is not None or self._complete is not None
 
     def take_large(self) -> memoryview | None:
         """The large frame's buffer once it is complete, else None."""
+        return self._take_large()
+
+    def _take_large(self):
         if self._complete is not None:
             frame, self._complete = self._complete, None
             return frame
@@ -300,19 +395,19 @@ class ReadBuffer:
 
     def _finish_large(self) -> memoryview:
         """The complete large frame as a view; the bytes read past it go to the block."""
-        large, total, filled, pad = self._large, self._large_total, self._large_filled, self._large_pad
+        large, total, pad = self._large, self._large_total, self._large_pad
+        spare = self._large_filled - total
         self._large = None
         self._large_filled = self._large_total = 0
         self._header_only = True
-        spare = filled - total
         if spare:  # the start of the next frame (at most HEADER_SIZE bytes)
             if len(self._block) - self._end < spare:
                 self._new_block()
-            self._block[self._end:self._end + spare] = memoryview(large)[pad + total:pad + filled]
+            _copy(self._block, self._end, large, pad + total, spare)
             self._end += spare
             self.copied_bytes += spare
-        large_buffers.put(large)
-        return memoryview(large)[pad:pad + total]
+        _large_buffers.put(large)
+        return _narrow(memoryview(large), pad, total)
 
     def pending_bytes(self) -> int:
         """Bytes received but not yet consumed (a partial frame)."""
@@ -339,11 +434,15 @@ class ReadBuffer:
 
     # -- internals ---------------------------------------------------------------------------
     def _unshared(self) -> bool:
-        # References: self._block and getrefcount's argument. Each live view of the block
-        # holds one more (through its managed buffer).
-        return sys.getrefcount(self._block) <= 2
+        if cython.compiled:
+            block = cython.cast(cython.pointer(PyObject), self._block)
+            return _refcnt(block) == 1 and cython.cast(cython.pointer(PyByteArrayObject), block).ob_exports == 0
+        else:
+            # References: self._block and getrefcount's argument. Each live view of the block
+            # holds one more (through its managed buffer).
+            return sys.getrefcount(self._block) <= 2
 
-    def _new_block(self) -> None:
+    def _new_block(self) -> int:
         # Move the unconsumed tail to the front of a block with room for a small frame. The
         # tail is normally one partial frame under large_threshold; it is larger only when a
         # caller feeds many frames before consuming them, and then the block grows.
@@ -351,14 +450,12 @@ class ReadBuffer:
         size = self._block_size if have <= self._block_size - self.large_threshold \
             else have + self._block_size
         if self._unshared() and len(self._block) >= size:
-            block = self._block
-            if have:
-                block[:have] = block[self._start:self._end]
+            _copy(self._block, 0, self._block, self._start, have)
         else:
             block = bytearray(size)
-            if have:
-                block[:have] = memoryview(self._block)[self._start:self._end]
+            _copy(block, 0, self._block, self._start, have)
+            self._block = block
         self.copied_bytes += have
-        self._block = block
         self._start = 0
         self._end = have
+        return 0
