@@ -61,7 +61,7 @@ if os.environ.get("AIOBRPC_NO_EXTENSIONS", "") in ("", "0"):
     # .pxd beside them and from cython.locals, not from annotations, which are documentation.
     c_semantics = compiled_in_place("C_SEMANTICS")
     ext_modules = cythonize(
-        ["aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.pyx", *c_semantics],
+        ["aiobrpc/_fast/meta.pyx", *c_semantics],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False,
                              "cdivision": True, "embedsignature": True, "annotation_typing": False},
     )

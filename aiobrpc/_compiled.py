@@ -37,11 +37,12 @@ MODULES = (
     "aiobrpc.deadlines",
     "aiobrpc.protocol.events",
     "aiobrpc._fast.iobuf",
+    "aiobrpc._fast.framing",
 )
 
 # Modules of MODULES that index raw buffers: compiled with C semantics (no bounds checks, no
 # negative indexes, C division), their C code written under `if cython.compiled:`.
-C_SEMANTICS = ("aiobrpc._fast.iobuf",)
+C_SEMANTICS = ("aiobrpc._fast.iobuf", "aiobrpc._fast.framing")
 
 ENV = "AIOBRPC_NO_EXTENSIONS"
 
@@ -84,20 +85,36 @@ def compiled() -> dict[str, bool]:
 
 def load_source(name: str):
     """The Python build of module `name` (one of MODULES) as a separate module object, beside
-    whichever build `import` chose: tests and fuzzers compare the two in one process. Its
-    classes are not the imported module's classes; each build works with its own."""
+    whichever build `import` chose: tests and fuzzers compare the two in one process. The
+    modules of MODULES it imports are their Python builds too (framing's source reads the
+    fields of iobuf's ReadBuffer, which only the Python build shows). Its classes are not the
+    imported module's classes; each build works with its own."""
     if name not in MODULES:
         raise ValueError(f"{name} is not compiled in place")
-    package, _, leaf = name.rpartition(".")
-    private = f"{package}._source_of_{leaf}"
-    if private in sys.modules:
-        return sys.modules[private]
-    path = importlib.import_module(package).__path__
-    spec = importlib.machinery.FileFinder(path[0], PureSourceFinder._loader).find_spec(name)
-    if spec is None:
-        raise ImportError(f"no .py source of {name}")
-    spec = importlib.util.spec_from_file_location(private, spec.origin)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[private] = module
-    spec.loader.exec_module(module)
-    return module
+    if name in _SOURCES:
+        return _SOURCES[name]
+    saved = {m: sys.modules.pop(m) for m in MODULES if m in sys.modules}
+    parents = {m: getattr(sys.modules.get(m.rpartition(".")[0]), m.rpartition(".")[2], None)
+               for m in MODULES}
+    sys.meta_path.insert(0, PureSourceFinder)
+    try:
+        importlib.import_module(name)
+        loaded = {m: sys.modules[m] for m in MODULES if m in sys.modules}
+    finally:
+        sys.meta_path.remove(PureSourceFinder)  # the one inserted above: the first
+        for m in MODULES:
+            sys.modules.pop(m, None)
+        sys.modules.update(saved)
+        for m, module in parents.items():
+            parent = sys.modules.get(m.rpartition(".")[0])
+            if parent is not None:
+                if module is None:
+                    parent.__dict__.pop(m.rpartition(".")[2], None)
+                else:
+                    setattr(parent, m.rpartition(".")[2], module)
+    for m, module in loaded.items():
+        _SOURCES.setdefault(m, module)
+    return _SOURCES[name]
+
+
+_SOURCES: dict = {}  # name -> its Python build, loaded by load_source

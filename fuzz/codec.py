@@ -1,6 +1,7 @@
 """Harness: the sans-IO baidu_std codec: the meta codec (`_fast` meta.pyx / meta_py.py) and the
-frame reader (framing.pyx / framing_py.py), the compiled and the pure kernel side by side in one
-process (a differential in itself: they must agree on every input), plus the decoder's events.
+frame reader (framing.py compiled and run as Python), the compiled and the pure kernel side by
+side in one process (a differential in itself: they must agree on every input), plus the
+decoder's events.
 
 Input: a control byte (bit 0: the bytes are a meta, else a byte stream; bits 1-3: the read size
 for the stream), then the bytes.
@@ -16,10 +17,14 @@ from __future__ import annotations
 from fuzz import _harness as H
 
 with H.instrumented():
+    from aiobrpc import _compiled as _builds
     from aiobrpc import _fast
-    from aiobrpc._fast import framing_py, meta_py
+    from aiobrpc._fast import framing, meta_py
     from aiobrpc.errors import RemoteProtocolError
     from aiobrpc.protocol.baidu_std import SERVER, Decoder
+
+    # framing's Python build; where it is the one imported, there is no second one to compare
+    framing_py = _builds.load_source("aiobrpc._fast.framing") if _fast._COMPILED is not None else framing
 
 _compiled = _fast._COMPILED  # None where the extensions are not built (or the pure twin is asked for)
 FIELDS = ("has_request", "has_response", "service_name", "method_name", "log_id", "trace_id", "span_id",
@@ -89,7 +94,7 @@ def _frames(mod, data: bytes, step: int) -> list:
 def stream(data: bytes, step: int) -> str:
     got = _frames(framing_py, data, step)
     if _compiled is not None:
-        other = _frames(_compiled["framing"], data, step)
+        other = _frames(framing, data, step)
         if other != got:
             raise H.Finding(f"frame reader kernels disagree: python {got!r:.200} cython {other!r:.200}")
     dec = Decoder(SERVER, 1 << 20)

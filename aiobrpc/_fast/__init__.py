@@ -1,12 +1,12 @@
 """The hot path: the kernels of the call path (receive buffer and send chain, frame reader,
 meta codec).
 
-`iobuf` is one source compiled in place like the modules of aiobrpc/_compiled.py: compiled or
-Python is chosen once per process (Python where it is not built or AIOBRPC_NO_EXTENSIONS=1 is
-set). `framing` and `meta` are still Cython kernels with pure-Python twins of identical API,
-used compiled unless missing or AIOBRPC_NO_EXTENSIONS=1 is set; other layers look names up on
-this module at call time (`_fast.FrameReader(...)`), so `use("python")` switches those two at
-once (the benches compare the twins so). Type checkers see the pure twins.
+`iobuf` and `framing` are one source each, compiled in place like the modules of
+aiobrpc/_compiled.py: compiled or Python is chosen once per process (Python where they are not
+built or AIOBRPC_NO_EXTENSIONS=1 is set). `meta` is still a Cython kernel with a pure-Python
+twin of identical API, used compiled unless missing or AIOBRPC_NO_EXTENSIONS=1 is set; other
+layers look names up on this module at call time (`_fast.RpcMeta(...)`), so `use("python")`
+switches it (the benches compare the twins so). Type checkers see the Python sources.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._compiled import pure_requested
-from . import framing_py, iobuf, meta_py
+from . import framing, iobuf, meta_py
 
 _EXPORTS = {
     "framing": ("FrameReader", "parse_header", "pack_header", "magic_prefix_ok", "split_payload",
@@ -24,7 +24,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .framing_py import (ATTACHMENT_PIN_RATIO, DEFAULT_MAX_BODY_SIZE, KIND_PRPC, KIND_STRM,
+    from .framing import (ATTACHMENT_PIN_RATIO, DEFAULT_MAX_BODY_SIZE, KIND_PRPC, KIND_STRM,
                              FrameReader, magic_prefix_ok, pack_header, parse_header,
                              split_payload)
     from .iobuf import HEADER_SIZE, IOBuf, LargeBufferCache, ReadBuffer, byte_view, large_buffers
@@ -33,13 +33,13 @@ if TYPE_CHECKING:
 
 def _compiled():
     try:
-        from . import framing, meta  # type: ignore[attr-defined]
+        from . import meta  # type: ignore[attr-defined]
     except ImportError:
         return None
     return {"framing": framing, "iobuf": iobuf, "meta": meta}
 
 
-_PURE = {"framing": framing_py, "iobuf": iobuf, "meta": meta_py}
+_PURE = {"framing": framing, "iobuf": iobuf, "meta": meta_py}
 _COMPILED = None if pure_requested() else _compiled()
 
 IMPLEMENTATION = "python"

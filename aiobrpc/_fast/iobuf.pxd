@@ -1,4 +1,4 @@
-# Types of iobuf.py when Cython compiles it (aiobrpc/_compiled.py); framing.pyx cimports
+# Types of iobuf.py when Cython compiles it (aiobrpc/_compiled.py); framing.py cimports
 # ReadBuffer and calls its C methods. The .py file is the source of both builds.
 
 cimport cython

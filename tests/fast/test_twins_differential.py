@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiobrpc import _compiled
-from aiobrpc._fast import framing_py, meta_py
+from aiobrpc._fast import meta_py
 from aiobrpc.errors import ProtocolError
 from tests.helpers.wire import vi
 
@@ -28,7 +28,9 @@ if not _compiled.compiled()["aiobrpc._fast.iobuf"]:  # the other kernels are bui
 meta_c = pytest.importorskip("aiobrpc._fast.meta")
 framing_c = pytest.importorskip("aiobrpc._fast.framing")
 iobuf_c = pytest.importorskip("aiobrpc._fast.iobuf")
-iobuf_py = _compiled.load_source("aiobrpc._fast.iobuf")  # the same source run as Python
+# The same sources run as Python (framing's with iobuf's).
+framing_py = _compiled.load_source("aiobrpc._fast.framing")
+iobuf_py = _compiled.load_source("aiobrpc._fast.iobuf")
 
 FIELDS = meta_py.RpcMeta.__slots__
 HEADER = iobuf_py.HEADER_SIZE
