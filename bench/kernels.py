@@ -4,7 +4,11 @@
     python bench/kernels.py --tree ../old   # another checkout (its extensions built in place)
 
 Run two trees in one shell loop, alternating, to compare a kernel before and after a change
-(this machine drifts between runs; the best of many repeats is the stable figure). What is
+(this machine drifts between runs; the best of many repeats is the stable figure), or count
+instructions with callgrind, which a busy machine does not bend:
+
+    for n in 1000 3000; do valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        $PYTHON bench/kernels.py --case meta_decode --calls $n 2>&1 | grep Collected; done What is
 timed is what one call of the call path does with each kernel: the receive buffer's read and
 take of small frames, a large frame's own buffer, the send chain's append and cut, the frame
 header and meta codec. The last line printed is JSON.
@@ -110,9 +114,17 @@ def main() -> int:
     ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--budget", type=float, default=0.2, help="seconds per repeat of one case")
+    ap.add_argument("--case", help="run this case --calls times, untimed (for callgrind: the "
+                                   "difference of two runs over the difference of their calls)")
+    ap.add_argument("--calls", type=int, default=1000)
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.tree))
     from aiobrpc import _fast
+    if args.case:
+        fn = cases(_fast)[args.case]
+        for _ in range(args.calls):
+            fn()
+        return 0
     out = {"tree": args.tree, "implementation": _fast.IMPLEMENTATION}
     for name, fn in cases(_fast).items():
         fn()
