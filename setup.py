@@ -1,7 +1,7 @@
 """Only the Cython extensions; everything else is in pyproject.toml.
 
-The kernels of aiobrpc/_fast are .pyx files; the modules of the call path listed in
-aiobrpc/_compiled.py are .py files that Cython compiles in place (pure-Python mode). Set
+The modules of the call path listed in aiobrpc/_compiled.py, the kernels of aiobrpc/_fast
+among them, are .py files that Cython compiles in place (pure-Python mode). Set
 AIOBRPC_NO_EXTENSIONS=1 to install without compiling (everything then runs as Python); where
 compiling fails (no C compiler, no Python headers) the pure-Python build is installed too,
 with one line saying why (docs/install.md).
@@ -61,7 +61,7 @@ if os.environ.get("AIOBRPC_NO_EXTENSIONS", "") in ("", "0"):
     # .pxd beside them and from cython.locals, not from annotations, which are documentation.
     c_semantics = compiled_in_place("C_SEMANTICS")
     ext_modules = cythonize(
-        ["aiobrpc/_fast/meta.pyx", *c_semantics],
+        c_semantics,
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False,
                              "cdivision": True, "embedsignature": True, "annotation_typing": False},
     )

@@ -48,12 +48,11 @@ __version__ = "0.1.0"
 
 
 def implementation() -> str:
-    """Which implementation of the hot path is active: "cython" (the compiled extensions) or
-    "python" (their pure twins: extensions not built, or AIOBRPC_NO_EXTENSIONS=1 set).
+    """Which build of the hot path this process runs: "cython" (the compiled extensions) or
+    "python" (the same sources as Python: extensions not built, or AIOBRPC_NO_EXTENSIONS=1 set).
 
-    It names the twin of the `aiobrpc._fast` kernels; the modules compiled in place
-    (`aiobrpc._compiled.compiled()` lists them) are compiled in the same processes, except
-    after a run-time `_fast.use("python")`, which switches the kernels only."""
+    It names the build of the `aiobrpc._fast` kernels; every other module compiled in place
+    (`aiobrpc._compiled.compiled()` lists them all) is chosen with them, once per process."""
     from . import _fast
     return _fast.IMPLEMENTATION
 

@@ -17,7 +17,7 @@ before any other aiobrpc module is imported) puts a finder first on `sys.meta_pa
 these modules from their .py files even where the extension exists. The choice is made once per
 process: a class compiled in one module and pure in another would not mix, so the test suite
 runs the pure twin in a second process (tests/conftest.py). The kernels of `aiobrpc._fast` are
-selected at run time as before (`_fast.use`).
+among these modules.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ MODULES = (
     "aiobrpc.protocol.events",
     "aiobrpc._fast.iobuf",
     "aiobrpc._fast.framing",
+    "aiobrpc._fast.meta",
 )
 
 # Modules of MODULES that index raw buffers: compiled with C semantics (no bounds checks, no
 # negative indexes, C division), their C code written under `if cython.compiled:`.
-C_SEMANTICS = ("aiobrpc._fast.iobuf", "aiobrpc._fast.framing")
+C_SEMANTICS = ("aiobrpc._fast.iobuf", "aiobrpc._fast.framing", "aiobrpc._fast.meta")
 
 ENV = "AIOBRPC_NO_EXTENSIONS"
 

@@ -7,9 +7,11 @@ Run by hand from the repository root:
 
 Part 1 times one encode+decode cycle of a 16-byte echo request with the meta a C++ client
 sends, for the compiled twin, the pure twin and a naive baseline (the generated protobuf class
-and struct). Part 2 sends 1 MiB and 16 MiB numpy attachments twice through pack() and a
-Decoder fed like a kernel (64 KiB reads into get_buffer) and reports what was copied in user
-space. docs/codec_benchmark.md explains the columns. The last line printed is JSON.
+and struct); the pure twin runs in a second process with AIOBRPC_NO_EXTENSIONS=1 (every module
+as Python, the kernels of aiobrpc._fast included) where this one is compiled. Part 2 sends
+1 MiB and 16 MiB numpy attachments twice through pack() and a Decoder fed like a kernel
+(64 KiB reads into get_buffer) and reports what was copied in user space.
+docs/codec_benchmark.md explains the columns. The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+import pure  # noqa: E402  (bench/pure.py)
 from aiobrpc import _fast  # noqa: E402
 from aiobrpc._proto import brpc_meta_pb2  # noqa: E402
 from aiobrpc.protocol import baidu_std  # noqa: E402
@@ -46,7 +49,7 @@ LARGE_SIZES = (1 << 20, 16 << 20)
 # --- encode + decode of one echo frame ------------------------------------------------------
 
 def fast_meta(correlation_id: int):
-    """The request meta as brpc's C++ client fills it, with the selected twin's RpcMeta."""
+    """The request meta as brpc's C++ client fills it, with this process's RpcMeta."""
     m = _fast.RpcMeta()
     m.has_request = True
     m.service_name = SERVICE
@@ -192,8 +195,26 @@ def large_run(size: int) -> dict:
         att = ev.attachment
         assert ev.meta.correlation_id == cid and bytes(ev.data) == DATA16
         assert att.nbytes == size and np.array_equal(np.frombuffer(att, dtype=np.uint8), arr)
-        assert type(att.obj) is bytearray and len(att.obj) == frame_len
+        # the frame's own buffer: room for the next header, and for ending the frame aligned
+        assert type(att.obj) is bytearray and len(att.obj) == frame_len + HEADER + _fast.iobuf.LARGE_ALIGN
         del ev, att
+    return out
+
+
+# --- one build per process -------------------------------------------------------------------
+
+def this_build(number: int, repeat: int) -> dict:
+    """Echo rate and large runs of the build this process runs."""
+    check_echo(aiobrpc_cycle(), naive_cycle())  # fresh ones: both count ids from 1
+    rate = best_rate(aiobrpc_cycle(), number, repeat)
+    return {"twin": _fast.IMPLEMENTATION, "rate": rate, "large": [large_run(size) for size in LARGE_SIZES]}
+
+
+def pure_build(argv: list[str]) -> dict:
+    """this_build() of a second process where every module is Python (its last line, JSON)."""
+    out = json.loads(pure.rerun_output([*argv, "--only-this-build"]).splitlines()[-1])
+    if out["twin"] != "python":
+        raise SystemExit(f"AIOBRPC_NO_EXTENSIONS=1 gave kernels {out['twin']!r}, not the pure twin")
     return out
 
 
@@ -207,27 +228,27 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cycles and repeats")
+    parser.add_argument("--only-this-build", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     number, repeat = (2_000, 3) if args.quick else (50_000, 9)
-    twins = [t for t in ("cython", "python") if t in _fast.available()]
-    before = _fast.IMPLEMENTATION
+    if args.only_this_build:
+        print(json.dumps(this_build(number, repeat)))
+        return 0
     result: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                     "quick": args.quick, "number": number, "repeat": repeat, "echo": {}, "large": {}}
-    if "cython" not in twins:
-        print("compiled twin not built (python setup.py build_ext --inplace), or AIOBRPC_NO_EXTENSIONS "
-              "is set: skipping (a)")
-    try:
-        rates = {}
-        for twin in twins:
-            _fast.use(twin)
-            check_echo(aiobrpc_cycle(), naive_cycle())  # fresh ones: both count ids from 1
-            rates[twin] = best_rate(aiobrpc_cycle(), number, repeat)
-        rates["naive"] = best_rate(naive_cycle(), number, repeat)
-        for twin in twins:
-            _fast.use(twin)
-            result["large"][twin] = [large_run(size) for size in LARGE_SIZES]
-    finally:
-        _fast.use(before)
+    builds = {}
+    if _fast.IMPLEMENTATION == "cython":
+        builds["cython"] = this_build(number, repeat)
+    else:
+        print(f"compiled twin not built (python setup.py build_ext --inplace), or AIOBRPC_NO_EXTENSIONS "
+              f"is set (kernels: {_fast.IMPLEMENTATION}): skipping (a)")
+    if pure.needs_own_process():
+        builds["python"] = pure_build(sys.argv[1:] if argv is None else argv)
+    else:
+        builds["python"] = this_build(number, repeat)
+    rates = {twin: b["rate"] for twin, b in builds.items()}
+    rates["naive"] = best_rate(naive_cycle(), number, repeat)
+    result["large"] = {twin: b["large"] for twin, b in builds.items()}
 
     result["echo"] = {k: round(v) for k, v in rates.items()}
     ratios = {}

@@ -43,13 +43,17 @@ def read_of_requests(attachment: int) -> bytes:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--twin", default=_fast.available()[0], choices=_fast.available())
+    p.add_argument("--twin", default="cython" if _fast.IMPLEMENTATION == "cython" else "python",
+                   choices=["cython", "python"], help="default: this process's build")
     p.add_argument("--attachment", type=int, default=16, help="bytes of attachment per request")
     p.add_argument("--rounds", type=int, default=2000, help="reads of 32 requests")
     args = p.parse_args(argv)
     if args.twin == "python" and pure.needs_own_process():
         raise SystemExit(pure.rerun(sys.argv[1:] if argv is None else argv))
-    _fast.use(args.twin)
+    if args.twin == "cython" and _fast.IMPLEMENTATION != "cython":
+        raise SystemExit(f"--twin cython: the kernels of aiobrpc._fast are {_fast.IMPLEMENTATION!r} in this "
+                         "process, not compiled (python setup.py build_ext --inplace, "
+                         "AIOBRPC_NO_EXTENSIONS unset)")
     chunk = read_of_requests(args.attachment)
     decoder = baidu_std.Decoder(baidu_std.SERVER)
     elapsed = 0.0

@@ -235,6 +235,11 @@ async def client_side(calls: int, concurrency: int, attachment: int = 0, method_
     return elapsed / (per_worker * concurrency) * 1e6
 
 
+NOT_COMPILED = (f"cython: the kernels of aiobrpc._fast are {_fast.IMPLEMENTATION!r} in this process, "
+                "not compiled (python setup.py build_ext --inplace, AIOBRPC_NO_EXTENSIONS unset): "
+                "skipping")
+
+
 def run(side: str, args, method_status: bool = True, repeat: int | None = None,
         server_options: dict | None = None) -> float:
     new_loop = uvloop.new_event_loop if args.loop == "uvloop" else asyncio.new_event_loop
@@ -263,19 +268,23 @@ def main(argv=None) -> None:
     p.add_argument("--attachment", type=int, default=0,
                    help="bytes of attachment on each request and reply (default none)")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--twins", default=",".join(_fast.available()))
+    p.add_argument("--twins", default="cython,python" if _fast.IMPLEMENTATION == "cython" else "python",
+                   help="comma-separated, of cython and python (default: both where compiled)")
     p.add_argument("--profile", action="store_true", help="cProfile one run (first twin)")
     p.add_argument("--method-status", choices=["on", "off", "both"], default="on",
                    help="client: ChannelOptions.method_status; both: each way, and their ratio")
     p.add_argument("--server-compare", choices=sorted(SERVER_COMPARE),
                    help="server: with and without per-method status, or with and without the limits")
     args = p.parse_args(argv)
+    if not set(args.twins.split(",")) <= {"cython", "python"}:
+        p.error(f"--twins: {args.twins!r} is not a list of cython and python")
     sides = ["server", "client"] if args.side == "both" else [args.side]
     pure_args = [*(sys.argv[1:] if argv is None else argv), "--twins", "python"]
     if args.profile:
         if args.twins.split(",")[0] == "python" and pure.needs_own_process():
             raise SystemExit(pure.rerun(pure_args))
-        _fast.use(args.twins.split(",")[0])
+        if args.twins.split(",")[0] == "cython" and _fast.IMPLEMENTATION != "cython":
+            raise SystemExit(NOT_COMPILED)
         args.repeat = 1
         for side in sides:
             prof = cProfile.Profile()
@@ -288,7 +297,9 @@ def main(argv=None) -> None:
         if twin == "python" and pure.needs_own_process():
             pure.rerun(pure_args)
             continue
-        _fast.use(twin)
+        if twin == "cython" and _fast.IMPLEMENTATION != "cython":
+            print(NOT_COMPILED)
+            continue
         att = f" att={args.attachment}B" if args.attachment else ""
         for side in sides:
             if side == "server" and args.server_compare:

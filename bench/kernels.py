@@ -98,6 +98,11 @@ def cases(fast) -> dict:
     def meta_decode():
         decode(meta_bytes)
 
+    head = fast.pack_head
+
+    def meta_pack_head():
+        head(b"PRPC", meta, 18)
+
     pack = fast.pack_header
 
     def header_pack():
@@ -106,7 +111,8 @@ def cases(fast) -> dict:
     return {"read_small_frames/64": read_small_frames, "read_large_frame_1MiB": read_large_frame,
             "iobuf_append_cut": iobuf_append_cut, "byte_view": byte_view,
             "feed_next_split": split_payload, "meta_encode": meta_encode,
-            "meta_decode": meta_decode, "pack_header": header_pack}
+            "meta_decode": meta_decode, "meta_pack_head": meta_pack_head,
+            "pack_header": header_pack}
 
 
 def main() -> int:

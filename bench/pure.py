@@ -1,8 +1,8 @@
 """A bench's pure-Python twin runs in a process of its own where modules are compiled in place.
 
-`_fast.use("python")` switches only the kernels of aiobrpc._fast; the modules of
-aiobrpc/_compiled.py are chosen when the process starts. A bench that measures the pure twin
-therefore runs it again with AIOBRPC_NO_EXTENSIONS=1 when this process has compiled modules.
+Every module of aiobrpc/_compiled.py, the kernels of aiobrpc._fast included, is chosen compiled
+or Python once, when the process starts. A bench's pure row therefore runs in a process of its
+own: the bench runs again with AIOBRPC_NO_EXTENSIONS=1 when this process has compiled modules.
 """
 
 from __future__ import annotations
@@ -21,5 +21,14 @@ def needs_own_process() -> bool:
 
 def rerun(args: list[str]) -> int:
     """Run this script again with `args`, every module as Python; its exit status."""
+    return _pure(args).returncode
+
+
+def rerun_output(args: list[str]) -> str:
+    """Run this script again with `args`, every module as Python; what it printed."""
+    return _pure(args, stdout=subprocess.PIPE, text=True, check=True).stdout
+
+
+def _pure(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, AIOBRPC_NO_EXTENSIONS="1")
-    return subprocess.run([sys.executable, sys.argv[0], *args], env=env).returncode
+    return subprocess.run([sys.executable, sys.argv[0], *args], env=env, **kwargs)

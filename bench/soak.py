@@ -409,7 +409,7 @@ def main(argv=None) -> int:
                     help="ChannelOptions(retry_throttle=None): retries are never throttled")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    ap.add_argument("--pure", action="store_true", help="the pure-Python twins of aiobrpc._fast")
+    ap.add_argument("--pure", action="store_true", help="every module as Python (a process with AIOBRPC_NO_EXTENSIONS=1)")
     ap.add_argument("--json-only", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show the client's warnings")
     a = ap.parse_args(argv)
@@ -418,8 +418,6 @@ def main(argv=None) -> int:
         import pure  # bench/pure.py
         if pure.needs_own_process():
             raise SystemExit(pure.rerun(sys.argv[1:] if argv is None else argv))
-        from aiobrpc import _fast
-        _fast.use("python")
     cfg = SoakConfig(calls=a.calls, seconds=a.seconds, concurrency=a.concurrency, timeout_ms=a.timeout_ms,
                      max_retry=a.max_retry, connection_type=a.connection_type,
                      backup_request_ms=a.backup_ms, restart_every_s=a.restart_every, down_s=a.down,

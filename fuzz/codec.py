@@ -1,5 +1,5 @@
-"""Harness: the sans-IO baidu_std codec: the meta codec (`_fast` meta.pyx / meta_py.py) and the
-frame reader (framing.py compiled and run as Python), the compiled and the pure kernel side by
+"""Harness: the sans-IO baidu_std codec: the meta codec and the frame reader of `_fast`
+(meta.py and framing.py, compiled and run as Python), the compiled and the pure kernel side by
 side in one process (a differential in itself: they must agree on every input), plus the
 decoder's events.
 
@@ -19,14 +19,16 @@ from fuzz import _harness as H
 with H.instrumented():
     from aiobrpc import _compiled as _builds
     from aiobrpc import _fast
-    from aiobrpc._fast import framing, meta_py
+    from aiobrpc._fast import framing, meta
     from aiobrpc.errors import RemoteProtocolError
     from aiobrpc.protocol.baidu_std import SERVER, Decoder
 
-    # framing's Python build; where it is the one imported, there is no second one to compare
-    framing_py = _builds.load_source("aiobrpc._fast.framing") if _fast._COMPILED is not None else framing
+    # The kernels' Python builds; where they are the ones imported, there is no second one to
+    # compare (not built, or AIOBRPC_NO_EXTENSIONS set).
+    _compiled = {"meta": meta, "framing": framing} if _fast.IMPLEMENTATION == "cython" else None
+    meta_py = _builds.load_source("aiobrpc._fast.meta") if _compiled is not None else meta
+    framing_py = _builds.load_source("aiobrpc._fast.framing") if _compiled is not None else framing
 
-_compiled = _fast._COMPILED  # None where the extensions are not built (or the pure twin is asked for)
 FIELDS = ("has_request", "has_response", "service_name", "method_name", "log_id", "trace_id", "span_id",
           "parent_span_id", "request_id", "timeout_ms", "error_code", "error_text", "compress_type",
           "correlation_id", "attachment_size", "authentication_data", "stream_settings", "user_fields",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from aiobrpc import _compiled, _fast
 def test_this_process_runs_one_twin_throughout():
     compiled = _compiled.compiled()
     assert set(compiled) == set(_compiled.MODULES)
-    if _fast.available() == ["python"]:  # AIOBRPC_NO_EXTENSIONS=1, or nothing built
+    if _fast.IMPLEMENTATION == "python":  # AIOBRPC_NO_EXTENSIONS=1, or nothing built
         assert not any(compiled.values())
         assert aiobrpc.implementation() == "python"
     else:  # the extensions are built together: the kernels and every module compiled in place
@@ -38,7 +37,8 @@ def test_no_extensions_loads_every_module_from_its_source():
             "print(aiobrpc.implementation(), sorted(set(c.compiled().values())),"
             " all(sys.modules[m].__file__.endswith('.py') for m in c.MODULES))")
     assert _run(code, AIOBRPC_NO_EXTENSIONS="1") == "python [False] True"
-    built = importlib.util.find_spec("aiobrpc._fast.meta").origin.endswith(".py") is False
+    built = any(Path(_fast.__file__).parent.glob(f"meta{suffix}")
+                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
     assert _run(code, AIOBRPC_NO_EXTENSIONS="0") == ("cython [True] False" if built else "python [False] True")
 
 
@@ -56,11 +56,15 @@ def test_a_kernel_runs_from_its_source_without_cython_installed():
     # Cython compiles; it is not needed to run: the pure build reads `cython.compiled` from
     # aiobrpc/_cython_shim.py when `import cython` fails.
     code = ("import sys; sys.modules['cython'] = None\n"
-            "from aiobrpc._fast import iobuf, FrameReader\n"
+            "from aiobrpc._fast import iobuf, meta as codec, FrameReader, RpcMeta\n"
             "r = FrameReader(); r.feed(b'PRPC' + (3).to_bytes(4, 'big') + (1).to_bytes(4, 'big') + b'mab')\n"
             "kind, meta, payload = r.next_frame()\n"
-            "print(iobuf.__file__.endswith('.py'), kind, bytes(meta), bytes(payload), r.rbuf.copied_bytes)")
-    assert _run(code, AIOBRPC_NO_EXTENSIONS="1") == "True 1 b'm' b'ab' 0"
+            "m = RpcMeta(); m.correlation_id = 7; m.user_fields = [('k', 'v')]\n"
+            "head = codec.pack_head(b'PRPC', m, 0)\n"
+            "print(iobuf.__file__.endswith('.py'), codec.__file__.endswith('.py'), kind, bytes(meta),\n"
+            "      bytes(payload), r.rbuf.copied_bytes, codec.decode_meta(head[12:]) == m, head.hex())")
+    assert _run(code, AIOBRPC_NO_EXTENSIONS="1") == (
+        "True True 1 b'm' b'ab' 0 True 505250430000000a0000000a20074a060a016b120176")
 
 
 def test_load_source_gives_the_python_build_beside_the_imported_one():

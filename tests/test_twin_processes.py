@@ -16,7 +16,7 @@ from aiobrpc import _fast
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif("cython" not in _fast.available(),
+pytestmark = pytest.mark.skipif(_fast.IMPLEMENTATION != "cython",
                                 reason="the compiled twin is not built here: the suite runs in one process")
 
 

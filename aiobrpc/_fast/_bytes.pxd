@@ -1,4 +1,4 @@
-# C helpers shared by meta.pyx, iobuf.py and framing.py compiled (inline: there is no _bytes module).
+# C helpers shared by meta.py, iobuf.py and framing.py compiled (inline: there is no _bytes module).
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_CheckBuffer, PyObject_GetBuffer
 from libc.stdint cimport uint32_t, uint64_t

@@ -31,6 +31,7 @@ cdef extern from *:
     bint _view_released "aiobrpc_view_released" (object)
 
 cdef Py_ssize_t _HEADER, _PIN_RATIO
+cdef long long _U32_MAX
 
 @cython.locals(p="const unsigned char*")
 cdef int _kind_at(bytearray block, Py_ssize_t at) noexcept

@@ -41,6 +41,7 @@ DEFAULT_MAX_BODY_SIZE = 64 * 1024 * 1024
 ATTACHMENT_PIN_RATIO = 4
 _HEADER = HEADER_SIZE  # C constants when compiled
 _PIN_RATIO = ATTACHMENT_PIN_RATIO
+_U32_MAX = 0xFFFFFFFF  # Cython compares ints past 2**31 as Python objects, C variables in C
 
 
 def _kind_at(block: bytearray, at: int) -> int:
@@ -114,9 +115,9 @@ def pack_header(magic: bytes, body_size: int, meta_size: int) -> bytes:
         if type(magic) is bytes and PyLong_Check(body_size) and PyLong_Check(meta_size):
             body = PyLong_AsLongLongAndOverflow(body_size, cython.address(o1))
             meta = PyLong_AsLongLongAndOverflow(meta_size, cython.address(o2))
-            if o1 or o2 or not 0 <= meta <= body <= 0xFFFFFFFF:
+            if o1 or o2 or meta < 0 or meta > body or body > _U32_MAX:
                 raise LocalProtocolError(f"invalid sizes body_size={body_size} meta_size={meta_size}")
-            n = len(magic)
+            n = len(cython.cast(bytes, magic))
             result = PyBytes_FromStringAndSize(cython.NULL, n + 8)
             out = cython.cast(cython.p_uchar, PyBytes_AS_STRING(result))
             memcpy(out, PyBytes_AS_STRING(magic), cython.cast(cython.size_t, n))

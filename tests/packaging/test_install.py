@@ -91,7 +91,7 @@ def sdist(tmp_path_factory) -> Path:
 
 def test_sdist_has_sources(sdist):
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-    for f in (*RUNTIME_FILES, "setup.py", "proto/echo.proto", "aiobrpc/_fast/meta.pyx", "aiobrpc/_fast/framing.py", "aiobrpc/_fast/iobuf.py", "aiobrpc/client/call.py"):
+    for f in (*RUNTIME_FILES, "setup.py", "proto/echo.proto", "aiobrpc/_fast/meta.py", "aiobrpc/_fast/meta.pxd", "aiobrpc/_fast/framing.py", "aiobrpc/_fast/iobuf.py", "aiobrpc/client/call.py"):
         assert f in names, f"{f} missing from {sdist.name}"
     assert not [n for n in names if n.endswith(".so")]
 

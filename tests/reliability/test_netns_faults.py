@@ -28,8 +28,6 @@ from aiobrpc._proto import interop_pb2
 from tests.helpers.interop_server import SERVICE, InteropEcho
 from tests.helpers.netns import nft
 
-_fast.use(os.environ["AIOBRPC_TWIN"])
-
 def channel(port, **opts):
     ch = aiobrpc.Channel(f"127.0.0.1:{port}", aiobrpc.ChannelOptions(**opts))
     return ch, aiobrpc.Stub(ch, SERVICE)
@@ -79,7 +77,7 @@ async def _run():
 '''
 
 EPILOGUE = r'''
-if os.environ["AIOBRPC_TWIN"] == "cython":
+if _fast.IMPLEMENTATION == "cython":  # this process's build (AIOBRPC_NO_EXTENSIONS is inherited)
     import uvloop
     result = uvloop.run(_run())
 else:
@@ -103,7 +101,7 @@ def netns(twin):
 
     def run(body: str, nft_rules: str | None = None, timeout: float = 60.0) -> dict:
         script = PRELUDE % {"server_port": SERVER_PORT} + body + EPILOGUE
-        result = run_in_netns(script, nft_rules, timeout, env={"AIOBRPC_TWIN": twin})
+        result = run_in_netns(script, nft_rules, timeout)
         assert result.pop("loop_errors") == []
         return result
     return run
