@@ -303,7 +303,8 @@ def _encode_into(out: bytearray, m: RpcMeta) -> None:
         for item in m.user_fields:
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise LocalProtocolError("RpcMeta.user_fields must hold (key, value) pairs, got "
-                                         + (f"{len(item)} items" if isinstance(item, (tuple, list))
+                                         + (f"a {type(item).__name__} of length {len(item)}"
+                                            if isinstance(item, (tuple, list))
                                             else type(item).__name__))
             key, value = item
             entry = bytearray()

@@ -127,6 +127,16 @@ def test_user_fields_keep_wire_order_and_duplicates():
     assert _fast.decode_meta(_fast.encode_meta(m)).user_fields == m.user_fields
 
 
+@pytest.mark.parametrize("entry, says", [(("k", "v", "x"), "got a tuple of length 3"), (["k"], "got a list of length 1"),
+                                         ("kv", "got str"), (7, "got int"), (None, "got NoneType")])
+def test_user_fields_that_are_not_pairs_are_local_errors(entry, says):
+    # each entry makes the compiled build take its Python path, which must then say what is wrong
+    m = _full_meta(has_request=True, service_name="s", method_name="m", user_fields=[("a", "b"), entry])
+    for encode in (_fast.encode_meta, lambda meta: _fast.pack_head(b"PRPC", meta, 0)):
+        with pytest.raises(LocalProtocolError, match=f"user_fields must hold \\(key, value\\) pairs, {says}"):
+            encode(m)
+
+
 def test_pack_head_layout():
     m = _full_meta(has_request=True, service_name="a.S", method_name="M", correlation_id=1)
     head = _fast.pack_head(b"PRPC", m, 10)
