@@ -15,14 +15,15 @@ skipped, a known field with an unexpected wire type is treated as unknown, a rep
 keeps the last value, a repeated sub-message merges, a missing required field of the request
 sub-message fails. Anything malformed raises RemoteProtocolError.
 
-Compiled, the public functions take a C path under `if cython.compiled:` (the `_c_*`
-functions, which run only compiled): encoding writes into a stack buffer (moved to the heap
-only if a meta outgrows it) with C varints, a sub-message getting a one-byte length slot that
-is widened in place in the rare case that it turns out to be 128 bytes or more; decoding walks
-a (pointer, length) cursor over the caller's buffer. Inputs the C path does not model (a
-duck-typed meta object, a deleted field, a flag that is not a bool, user_fields that are not a
-list or tuple of pairs, an odd magic or payload_size) take the Python code after it, so their
-behaviour, errors included, is the Python build's by construction.
+Decoding is one code for both builds: compiled, it walks a C pointer over the caller's buffer
+with the position in a one-element C array; as Python, a memoryview with the position in a
+one-element list. Encoding has a C path under `if cython.compiled:` (the `_c_*` functions,
+which run only compiled): it writes into a stack buffer (moved to the heap only if a meta
+outgrows it) with C varints, a sub-message getting a one-byte length slot that is widened in
+place in the rare case that it turns out to be 128 bytes or more. Inputs the C path does not
+model (a duck-typed meta object, a deleted field, a flag that is not a bool, user_fields that
+are not a list or tuple of pairs, an odd magic or payload_size) take the Python code after it,
+so their behaviour, errors included, is the Python build's by construction.
 """
 
 from __future__ import annotations
@@ -664,7 +665,10 @@ def _c_encode_into(o, m):
 
 
 # ---------------------------------------------------------------------------------------------
-# decoding
+# decoding: one code for both builds. Compiled, `b` is a pointer to the caller's bytes and `cur`
+# a one-element C array holding the position; as Python, `b` is a memoryview of bytes and `cur`
+# a one-element list. A size read from the wire is compared with what is left (`end - cur[0]`)
+# before anything is added to the position, so the position never passes `end`.
 
 @cython.cfunc
 @cython.locals(what=str)
@@ -672,189 +676,309 @@ def _bad(what: str) -> RemoteProtocolError:
     return RemoteProtocolError("RpcMeta does not parse: " + what)
 
 
-def _read_varint(buf, pos: int, end: int) -> tuple[int, int]:
+@cython.cfunc
+@cython.locals(b="const unsigned char*", cur="Py_ssize_t*", end=cython.Py_ssize_t,
+               pos=cython.Py_ssize_t, result="uint64_t", c="uint64_t", shift=int)
+@cython.returns("uint64_t")
+@cython.exceptval(-1, check=True)
+def _read_varint(b, cur, end):
     result = 0
     shift = 0
+    pos = cur[0]
     while True:
         if pos >= end:
             raise _bad("truncated varint")
-        b = buf[pos]
+        c = b[pos]
         pos += 1
-        if shift == 63 and b > 1:
+        if shift == 63 and c > 1:
             raise _bad("varint longer than 64 bits")
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
+        result |= (c & 0x7F) << shift
+        if c < 0x80:
+            cur[0] = pos
+            return result
         shift += 7
         if shift > 63:
             raise _bad("varint longer than 10 bytes")
 
 
-def _signed64(v: int) -> int:
-    return v - (1 << 64) if v >= (1 << 63) else v
+@cython.cfunc
+@cython.inline
+@cython.locals(b="const unsigned char*", cur="Py_ssize_t*", end=cython.Py_ssize_t,
+               pos=cython.Py_ssize_t)
+@cython.returns("uint64_t")
+@cython.exceptval(-1, check=True)
+def _get_varint(b, cur, end):
+    pos = cur[0]
+    if pos < end and b[pos] < 0x80:
+        cur[0] = pos + 1
+        return b[pos]
+    return _read_varint(b, cur, end)
 
 
-def _signed32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= (1 << 31) else v
+@cython.cfunc
+@cython.inline
+@cython.locals(b="const unsigned char*", cur="Py_ssize_t*", end=cython.Py_ssize_t,
+               n="uint64_t")
+@cython.returns(cython.Py_ssize_t)
+@cython.exceptval(-1)
+def _read_len(b, cur, end):
+    """Read a length prefix; returns where the bytes start and moves `cur` past them."""
+    n = _get_varint(b, cur, end)
+    if n > end - cur[0]:
+        raise _bad("length-delimited field runs past the end of the meta")
+    cur[0] += n
+    return cur[0] - n
 
 
-def _skip(buf, wt: int, field: int, pos: int, end: int, depth: int = 0) -> int:
+@cython.cfunc
+@cython.locals(b="const unsigned char*", wt="uint64_t", field="uint64_t", cur="Py_ssize_t*",
+               end=cython.Py_ssize_t, depth=int, n="uint64_t", tag="uint64_t")
+@cython.returns("int")
+@cython.exceptval(-1)
+def _skip(b, wt, field, cur, end, depth):
+    """Move `cur` past a field of wire type `wt` whose tag was just read."""
     if wt == 0:
-        return _read_varint(buf, pos, end)[1]
+        _get_varint(b, cur, end)
+        return 0
     if wt == 1:
-        pos += 8
+        n = 8
     elif wt == 5:
-        pos += 4
+        n = 4
     elif wt == 2:
-        n, pos = _read_varint(buf, pos, end)
-        pos += n
+        n = _get_varint(b, cur, end)
     elif wt == 3:
         if depth >= _MAX_GROUP_DEPTH:
             raise _bad("groups nested too deeply")
         while True:
-            tag, pos = _read_varint(buf, pos, end)
+            tag = _get_varint(b, cur, end)
             if tag >> 3 == 0:
                 raise _bad("field number 0")
             if tag & 7 == 4:
                 if tag >> 3 != field:
                     raise _bad("mismatched end of group")
-                return pos
-            pos = _skip(buf, tag & 7, tag >> 3, pos, end, depth + 1)
+                return 0
+            _skip(b, tag & 7, tag >> 3, cur, end, depth + 1)
     else:
         raise _bad(f"invalid wire type {wt}")
-    if pos > end:
+    if n > end - cur[0]:
         raise _bad("field runs past the end of the meta")
-    return pos
+    cur[0] += n
+    return 0
 
 
-def _read_len(buf, pos: int, end: int) -> tuple[int, int]:
-    n, pos = _read_varint(buf, pos, end)
-    if n > end - pos:
-        raise _bad("length-delimited field runs past the end of the meta")
-    return pos, pos + n
-
-
-def _text(buf, start: int, stop: int, name: str) -> str:
+@cython.cfunc
+@cython.locals(b="const unsigned char*", start=cython.Py_ssize_t, stop=cython.Py_ssize_t,
+               name=str)
+def _text(b, start, stop, name):
     try:
-        return bytes(buf[start:stop]).decode("utf-8")
+        if cython.compiled:
+            return PyUnicode_DecodeUTF8(cython.cast(cython.p_char, b + start), stop - start,
+                                        cython.NULL)
+        else:
+            return bytes(b[start:stop]).decode("utf-8")
     except UnicodeDecodeError:
-        raise _bad(f"{name} is not valid UTF-8") from None
+        pass
+    raise _bad(f"{name} is not valid UTF-8")
 
 
-def _decode_request(m: RpcMeta, buf, pos: int, end: int) -> None:
-    while pos < end:
-        tag, pos = _read_varint(buf, pos, end)
-        field, wt = tag >> 3, tag & 7
+@cython.cfunc
+@cython.inline
+@cython.locals(b="const unsigned char*", start=cython.Py_ssize_t, stop=cython.Py_ssize_t)
+def _bytes_at(b, start, stop):
+    if cython.compiled:
+        return PyBytes_FromStringAndSize(cython.cast(cython.p_char, b + start), stop - start)
+    else:
+        return bytes(b[start:stop])
+
+
+# service_name and method_name repeat on every call of a connection: compiled, they are decoded
+# once into this small direct-mapped table and come back as the same str object, whose hash
+# (for the dispatch dict) is then computed once too. Only short ASCII names are kept.
+_names = [None] * 64  # _NAME_SLOTS
+
+
+@cython.cfunc
+@cython.inline
+@cython.locals(b="const unsigned char*", start=cython.Py_ssize_t, stop=cython.Py_ssize_t,
+               n=cython.Py_ssize_t, i=cython.Py_ssize_t, h="uint32_t", high="unsigned char")
+def _name(b, start, stop):
+    if not cython.compiled:
+        return _text(b, start, stop, "request string field")
+    n = stop - start
+    h = 2166136261
+    high = 0
+    if n > _NAME_MAX:
+        return _text(b, start, stop, "request string field")
+    for i in range(start, stop):
+        high |= b[i]
+        h = (h ^ b[i]) * 16777619
+    if high & 0x80:
+        return _text(b, start, stop, "request string field")
+    cached = _names[h & (_NAME_SLOTS - 1)]
+    if (cached is not None and PyUnicode_GET_LENGTH(cached) == n
+            and memcmp(PyUnicode_DATA(cached), b + start, cython.cast(cython.size_t, n)) == 0):
+        return cached
+    text = PyUnicode_DecodeUTF8(cython.cast(cython.p_char, b + start), n, cython.NULL)  # ASCII
+    _names[h & (_NAME_SLOTS - 1)] = text
+    return text
+
+
+@cython.cfunc
+@cython.inline
+@cython.locals(v="uint64_t")
+def _signed64(v):
+    if cython.compiled:
+        return cython.cast(int64_t, v)
+    else:
+        return v - (1 << 64) if v >= (1 << 63) else v
+
+
+@cython.cfunc
+@cython.inline
+@cython.locals(v="uint64_t")
+def _signed32(v):
+    if cython.compiled:
+        return cython.cast(int32_t, cython.cast(uint32_t, v))
+    else:
+        v &= 0xFFFFFFFF
+        return v - (1 << 32) if v >= (1 << 31) else v
+
+
+@cython.cfunc
+@cython.locals(m=RpcMeta, b="const unsigned char*", start=cython.Py_ssize_t,
+               end=cython.Py_ssize_t, cur="Py_ssize_t[1]", tag="uint64_t", field="uint64_t",
+               wt="uint64_t", s=cython.Py_ssize_t)
+@cython.returns("int")
+@cython.exceptval(-1)
+def _decode_request(m, b, start, end):
+    cur = [start]
+    while cur[0] < end:
+        tag = _get_varint(b, cur, end)
+        field = tag >> 3
+        wt = tag & 7
         if field == 0:
             raise _bad("field number 0")
-        if wt == 2 and field in (1, 2, 7):
-            s, pos = _read_len(buf, pos, end)
-            text = _text(buf, s, pos, "request string field")
-            if field == 1:
-                m.service_name = text
-            elif field == 2:
-                m.method_name = text
+        if wt == 2 and (field == 1 or field == 2 or field == 7):
+            s = _read_len(b, cur, end)
+            if field == 7:
+                m.request_id = _text(b, s, cur[0], "request string field")
+            elif field == 1:
+                m.service_name = _name(b, s, cur[0])
             else:
-                m.request_id = text
-        elif wt == 0 and field in (3, 4, 5, 6, 8):
-            v, pos = _read_varint(buf, pos, end)
+                m.method_name = _name(b, s, cur[0])
+        elif wt == 0 and (3 <= field <= 6 or field == 8):
             if field == 3:
-                m.log_id = _signed64(v)
+                m.log_id = _signed64(_get_varint(b, cur, end))
             elif field == 4:
-                m.trace_id = _signed64(v)
+                m.trace_id = _signed64(_get_varint(b, cur, end))
             elif field == 5:
-                m.span_id = _signed64(v)
+                m.span_id = _signed64(_get_varint(b, cur, end))
             elif field == 6:
-                m.parent_span_id = _signed64(v)
+                m.parent_span_id = _signed64(_get_varint(b, cur, end))
             else:
-                m.timeout_ms = _signed32(v)
+                m.timeout_ms = _signed32(_get_varint(b, cur, end))
         else:
-            pos = _skip(buf, wt, field, pos, end)
+            _skip(b, wt, field, cur, end, 0)
+    return 0
 
 
-def _decode_response(m: RpcMeta, buf, pos: int, end: int) -> None:
-    while pos < end:
-        tag, pos = _read_varint(buf, pos, end)
-        field, wt = tag >> 3, tag & 7
+@cython.cfunc
+@cython.locals(m=RpcMeta, b="const unsigned char*", start=cython.Py_ssize_t,
+               end=cython.Py_ssize_t, cur="Py_ssize_t[1]", tag="uint64_t", field="uint64_t",
+               wt="uint64_t", s=cython.Py_ssize_t)
+@cython.returns("int")
+@cython.exceptval(-1)
+def _decode_response(m, b, start, end):
+    cur = [start]
+    while cur[0] < end:
+        tag = _get_varint(b, cur, end)
+        field = tag >> 3
+        wt = tag & 7
         if field == 0:
             raise _bad("field number 0")
         if field == 1 and wt == 0:
-            v, pos = _read_varint(buf, pos, end)
-            m.error_code = _signed32(v)
+            m.error_code = _signed32(_get_varint(b, cur, end))
         elif field == 2 and wt == 2:
-            s, pos = _read_len(buf, pos, end)
-            m.error_text = _text(buf, s, pos, "error_text")
+            s = _read_len(b, cur, end)
+            m.error_text = _text(b, s, cur[0], "error_text")
         else:
-            pos = _skip(buf, wt, field, pos, end)
+            _skip(b, wt, field, cur, end, 0)
+    return 0
 
 
-def _decode_entry(buf, pos: int, end: int) -> tuple[str, str]:
+@cython.cfunc
+@cython.locals(b="const unsigned char*", start=cython.Py_ssize_t, end=cython.Py_ssize_t,
+               cur="Py_ssize_t[1]", tag="uint64_t", field="uint64_t", wt="uint64_t",
+               s=cython.Py_ssize_t)
+@cython.returns(tuple)
+def _decode_entry(b, start, end):
     key = value = ""
-    while pos < end:
-        tag, pos = _read_varint(buf, pos, end)
-        field, wt = tag >> 3, tag & 7
+    cur = [start]
+    while cur[0] < end:
+        tag = _get_varint(b, cur, end)
+        field = tag >> 3
+        wt = tag & 7
         if field == 0:
             raise _bad("field number 0")
-        if wt == 2 and field in (1, 2):
-            s, pos = _read_len(buf, pos, end)
-            text = _text(buf, s, pos, "user_fields entry")
+        if wt == 2 and (field == 1 or field == 2):
+            s = _read_len(b, cur, end)
+            text = _text(b, s, cur[0], "user_fields entry")
             if field == 1:
                 key = text
             else:
                 value = text
         else:
-            pos = _skip(buf, wt, field, pos, end)
-    return key, value
+            _skip(b, wt, field, cur, end, 0)
+    return (key, value)
 
 
-@cython.locals(view="Py_buffer", m=RpcMeta)
-def decode_meta(buf) -> RpcMeta:
-    """Parse a serialized RpcMeta (bytes, bytearray or memoryview)."""
-    if cython.compiled:
-        if acquire_bytes(buf, cython.address(view)) is not None:
-            try:
-                m = RpcMeta.__new__(RpcMeta)
-                _c_decode(m, cython.cast(cython.p_uchar, view.buf), view.len)
-                return m
-            finally:
-                PyBuffer_Release(cython.address(view))
-    if not isinstance(buf, memoryview):
-        buf = memoryview(buf)  # no buffer: TypeError
-    if buf.format != "B" or buf.ndim != 1:
-        buf = buf.cast("B")
-    m = RpcMeta()
-    pos, end = 0, len(buf)
-    while pos < end:
-        tag, pos = _read_varint(buf, pos, end)
-        field, wt = tag >> 3, tag & 7
+@cython.cfunc
+@cython.inline
+@cython.locals(m=RpcMeta, b="const unsigned char*", end=cython.Py_ssize_t,
+               cur="Py_ssize_t[1]", tag="uint64_t", field="uint64_t", wt="uint64_t",
+               v="uint64_t", s=cython.Py_ssize_t)
+@cython.returns("int")
+@cython.exceptval(-1)
+def _decode(m, b, end):
+    cur = [0]
+    while cur[0] < end:
+        tag = _get_varint(b, cur, end)
+        field = tag >> 3
+        wt = tag & 7
         if field == 0:
             raise _bad("field number 0")
         if wt == 2:
-            if field in (1, 2, 6, 7, 8, 9, 12):
-                s, pos = _read_len(buf, pos, end)
-                if field == 1:
-                    m.has_request = True
-                    _decode_request(m, buf, s, pos)
-                elif field == 2:
-                    m.has_response = True
-                    _decode_response(m, buf, s, pos)
-                elif field == 6:
-                    m.chunk_info = bytes(buf[s:pos])
-                elif field == 7:
-                    m.authentication_data = bytes(buf[s:pos])
-                elif field == 8:
-                    m.stream_settings = bytes(buf[s:pos])
-                elif field == 9:
-                    if m.user_fields is None:
-                        m.user_fields = []
-                    if len(m.user_fields) <= MAX_USER_FIELDS:  # one past the limit shows it was passed
-                        m.user_fields.append(_decode_entry(buf, s, pos))
-                else:
-                    m.checksum_value = bytes(buf[s:pos])
+            if field == 1:
+                s = _read_len(b, cur, end)
+                m.has_request = True
+                _decode_request(m, b, s, cur[0])
                 continue
-        elif wt == 0 and field in (3, 4, 5, 10, 11, 13):
-            v, pos = _read_varint(buf, pos, end)
+            if field == 2:
+                s = _read_len(b, cur, end)
+                m.has_response = True
+                _decode_response(m, b, s, cur[0])
+                continue
+            if field == 6 or field == 7 or field == 8 or field == 12:
+                s = _read_len(b, cur, end)
+                blob = _bytes_at(b, s, cur[0])
+                if field == 6:
+                    m.chunk_info = blob
+                elif field == 7:
+                    m.authentication_data = blob
+                elif field == 8:
+                    m.stream_settings = blob
+                else:
+                    m.checksum_value = blob
+                continue
+            if field == 9:
+                s = _read_len(b, cur, end)
+                if m.user_fields is None:
+                    m.user_fields = []
+                if len(m.user_fields) <= _MAX_USER_FIELDS:  # one past the limit shows it was passed
+                    m.user_fields.append(_decode_entry(b, s, cur[0]))
+                continue
+        elif wt == 0 and (3 <= field <= 5 or 10 <= field <= 11 or field == 13):
+            v = _get_varint(b, cur, end)
             if field == 3:
                 m.compress_type = _signed32(v)
             elif field == 4:
@@ -868,308 +992,30 @@ def decode_meta(buf) -> RpcMeta:
             else:
                 m.checksum_with_attachment = v != 0
             continue
-        pos = _skip(buf, wt, field, pos, end)
+        _skip(b, wt, field, cur, end, 0)
     if m.has_request and (m.service_name is None or m.method_name is None):
         missing = "service_name" if m.service_name is None else "method_name"
         raise _bad(f"required field request.{missing} is missing")
-    return m
+    return 0
 
 
-# Compiled decoding: positions are Py_ssize_t with pos <= end throughout; a size read from the
-# wire (uint64) is compared with `end - pos` before anything is added to pos.
-
-@cython.cfunc
-@cython.locals(b="const unsigned char*", pos=cython.Py_ssize_t, end=cython.Py_ssize_t,
-               out="uint64_t*", result="uint64_t", c="uint64_t", shift=int)
-@cython.returns("Py_ssize_t")
-@cython.exceptval(-1)
-def _c_read_varint(b, pos, end, out):
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end:
-            raise _bad("truncated varint")
-        c = b[pos]
-        pos += 1
-        if shift == 63 and c > 1:
-            raise _bad("varint longer than 64 bits")
-        result |= (c & 0x7F) << shift
-        if c < 0x80:
-            out[0] = result
-            return pos
-        shift += 7
-        if shift > 63:
-            raise _bad("varint longer than 10 bytes")
-
-
-@cython.cfunc
-@cython.inline
-@cython.locals(b="const unsigned char*", pos=cython.Py_ssize_t, end=cython.Py_ssize_t,
-               out="uint64_t*")
-@cython.returns("Py_ssize_t")
-@cython.exceptval(-1)
-def _c_varint(b, pos, end, out):
-    if pos < end and b[pos] < 0x80:
-        out[0] = b[pos]
-        return pos + 1
-    return _c_read_varint(b, pos, end, out)
-
-
-@cython.cfunc
-@cython.locals(b="const unsigned char*", wt="uint64_t", field="uint64_t", pos=cython.Py_ssize_t,
-               end=cython.Py_ssize_t, depth=int, n="uint64_t", tag="uint64_t")
-@cython.returns("Py_ssize_t")
-@cython.exceptval(-1)
-def _c_skip(b, wt, field, pos, end, depth):
-    if wt == 0:
-        return _c_varint(b, pos, end, cython.address(n))
-    if wt == 1:
-        n = 8
-    elif wt == 5:
-        n = 4
-    elif wt == 2:
-        pos = _c_varint(b, pos, end, cython.address(n))
-    elif wt == 3:
-        if depth >= _MAX_GROUP_DEPTH:
-            raise _bad("groups nested too deeply")
-        while True:
-            pos = _c_varint(b, pos, end, cython.address(tag))
-            if tag >> 3 == 0:
-                raise _bad("field number 0")
-            if tag & 7 == 4:
-                if tag >> 3 != field:
-                    raise _bad("mismatched end of group")
-                return pos
-            pos = _c_skip(b, tag & 7, tag >> 3, pos, end, depth + 1)
+@cython.locals(view="Py_buffer", m=RpcMeta)
+def decode_meta(buf) -> RpcMeta:
+    """Parse a serialized RpcMeta (bytes, bytearray or memoryview)."""
+    if cython.compiled:
+        if acquire_bytes(buf, cython.address(view)) is None:
+            memoryview(buf)  # no buffer: raises TypeError
+        try:
+            m = RpcMeta.__new__(RpcMeta)
+            _decode(m, cython.cast(cython.p_uchar, view.buf), view.len)
+            return m
+        finally:
+            PyBuffer_Release(cython.address(view))
     else:
-        raise _bad(f"invalid wire type {wt}")
-    if n > cython.cast(uint64_t, end - pos):
-        raise _bad("field runs past the end of the meta")
-    return pos + cython.cast(Py_ssize_t, n)
-
-
-@cython.cfunc
-@cython.inline
-@cython.locals(b="const unsigned char*", pos=cython.Py_ssize_t, end=cython.Py_ssize_t,
-               stop="Py_ssize_t*", n="uint64_t")
-@cython.returns("Py_ssize_t")
-@cython.exceptval(-1)
-def _c_read_len(b, pos, end, stop):
-    """Read a length prefix; returns where the bytes start and sets `stop` to where they end."""
-    pos = _c_varint(b, pos, end, cython.address(n))
-    if n > cython.cast(uint64_t, end - pos):
-        raise _bad("length-delimited field runs past the end of the meta")
-    stop[0] = pos + cython.cast(Py_ssize_t, n)
-    return pos
-
-
-@cython.cfunc
-@cython.locals(b="const unsigned char*", start=cython.Py_ssize_t, stop=cython.Py_ssize_t,
-               name=str)
-def _c_text(b, start, stop, name):
-    try:
-        return PyUnicode_DecodeUTF8(cython.cast(cython.p_const_char, b + start), stop - start, cython.NULL)
-    except UnicodeDecodeError:
-        pass
-    raise _bad(f"{name} is not valid UTF-8")
-
-
-# service_name and method_name repeat on every call of a connection: decoded once into this
-# small direct-mapped table, they come back as the same str object, whose hash (for the
-# dispatch dict) is then computed once too. Only short ASCII names are kept.
-_names = [None] * 64  # _NAME_SLOTS
-
-
-@cython.cfunc
-@cython.inline
-@cython.locals(b="const unsigned char*", start=cython.Py_ssize_t, stop=cython.Py_ssize_t,
-               n=cython.Py_ssize_t, i=cython.Py_ssize_t, h="uint32_t", high="unsigned char")
-def _c_name(b, start, stop):
-    n = stop - start
-    h = 2166136261
-    high = 0
-    if n > _NAME_MAX:
-        return _c_text(b, start, stop, "request string field")
-    for i in range(start, stop):
-        high |= b[i]
-        h = (h ^ b[i]) * 16777619
-    if high & 0x80:
-        return _c_text(b, start, stop, "request string field")
-    cached = _names[h & (_NAME_SLOTS - 1)]
-    if (cached is not None and PyUnicode_GET_LENGTH(cached) == n
-            and memcmp(PyUnicode_DATA(cached), b + start, cython.cast(cython.size_t, n)) == 0):
-        return cached
-    text = PyUnicode_DecodeUTF8(cython.cast(cython.p_const_char, b + start), n, cython.NULL)  # ASCII: 1 byte a char
-    _names[h & (_NAME_SLOTS - 1)] = text
-    return text
-
-
-@cython.cfunc
-@cython.inline
-@cython.locals(v="uint64_t")
-def _c_signed64(v):
-    return cython.cast(int64_t, v)
-
-
-@cython.cfunc
-@cython.inline
-@cython.locals(v="uint64_t")
-def _c_signed32(v):
-    return cython.cast(int32_t, cython.cast(uint32_t, v))
-
-
-@cython.cfunc
-@cython.locals(m=RpcMeta, b="const unsigned char*", pos=cython.Py_ssize_t,
-               end=cython.Py_ssize_t, tag="uint64_t", field="uint64_t", wt="uint64_t",
-               v="uint64_t", s=cython.Py_ssize_t)
-@cython.returns("int")
-@cython.exceptval(-1)
-def _c_decode_request(m, b, pos, end):
-    while pos < end:
-        pos = _c_varint(b, pos, end, cython.address(tag))
-        field = tag >> 3
-        wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
-        if wt == 2 and (field == 1 or field == 2 or field == 7):
-            s = _c_read_len(b, pos, end, cython.address(pos))
-            if field == 7:
-                text = _c_text(b, s, pos, "request string field")
-            else:
-                text = _c_name(b, s, pos)
-            if field == 1:
-                m.service_name = text
-            elif field == 2:
-                m.method_name = text
-            else:
-                m.request_id = text
-        elif wt == 0 and (3 <= field <= 6 or field == 8):
-            pos = _c_varint(b, pos, end, cython.address(v))
-            if field == 3:
-                m.log_id = _c_signed64(v)
-            elif field == 4:
-                m.trace_id = _c_signed64(v)
-            elif field == 5:
-                m.span_id = _c_signed64(v)
-            elif field == 6:
-                m.parent_span_id = _c_signed64(v)
-            else:
-                m.timeout_ms = _c_signed32(v)
-        else:
-            pos = _c_skip(b, wt, field, pos, end, 0)
-    return 0
-
-
-@cython.cfunc
-@cython.locals(m=RpcMeta, b="const unsigned char*", pos=cython.Py_ssize_t,
-               end=cython.Py_ssize_t, tag="uint64_t", field="uint64_t", wt="uint64_t",
-               v="uint64_t", s=cython.Py_ssize_t)
-@cython.returns("int")
-@cython.exceptval(-1)
-def _c_decode_response(m, b, pos, end):
-    while pos < end:
-        pos = _c_varint(b, pos, end, cython.address(tag))
-        field = tag >> 3
-        wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
-        if field == 1 and wt == 0:
-            pos = _c_varint(b, pos, end, cython.address(v))
-            m.error_code = _c_signed32(v)
-        elif field == 2 and wt == 2:
-            s = _c_read_len(b, pos, end, cython.address(pos))
-            m.error_text = _c_text(b, s, pos, "error_text")
-        else:
-            pos = _c_skip(b, wt, field, pos, end, 0)
-    return 0
-
-
-@cython.cfunc
-@cython.locals(b="const unsigned char*", pos=cython.Py_ssize_t, end=cython.Py_ssize_t,
-               tag="uint64_t", field="uint64_t", wt="uint64_t", s=cython.Py_ssize_t)
-@cython.returns(tuple)
-def _c_decode_entry(b, pos, end):
-    key = value = ""
-    while pos < end:
-        pos = _c_varint(b, pos, end, cython.address(tag))
-        field = tag >> 3
-        wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
-        if wt == 2 and (field == 1 or field == 2):
-            s = _c_read_len(b, pos, end, cython.address(pos))
-            text = _c_text(b, s, pos, "user_fields entry")
-            if field == 1:
-                key = text
-            else:
-                value = text
-        else:
-            pos = _c_skip(b, wt, field, pos, end, 0)
-    return (key, value)
-
-
-@cython.cfunc
-@cython.inline
-@cython.locals(m=RpcMeta, b="const unsigned char*", end=cython.Py_ssize_t, tag="uint64_t",
-               field="uint64_t", wt="uint64_t", v="uint64_t", pos=cython.Py_ssize_t,
-               s=cython.Py_ssize_t)
-@cython.returns("int")
-@cython.exceptval(-1)
-def _c_decode(m, b, end):
-    pos = 0
-    while pos < end:
-        pos = _c_varint(b, pos, end, cython.address(tag))
-        field = tag >> 3
-        wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
-        if wt == 2:
-            if field == 1:
-                s = _c_read_len(b, pos, end, cython.address(pos))
-                m.has_request = True
-                _c_decode_request(m, b, s, pos)
-                continue
-            if field == 2:
-                s = _c_read_len(b, pos, end, cython.address(pos))
-                m.has_response = True
-                _c_decode_response(m, b, s, pos)
-                continue
-            if field == 6 or field == 7 or field == 8 or field == 12:
-                s = _c_read_len(b, pos, end, cython.address(pos))
-                blob = PyBytes_FromStringAndSize(cython.cast(cython.p_const_char, b + s), pos - s)
-                if field == 6:
-                    m.chunk_info = blob
-                elif field == 7:
-                    m.authentication_data = blob
-                elif field == 8:
-                    m.stream_settings = blob
-                else:
-                    m.checksum_value = blob
-                continue
-            if field == 9:
-                s = _c_read_len(b, pos, end, cython.address(pos))
-                if m.user_fields is None:
-                    m.user_fields = []
-                if len(m.user_fields) <= _MAX_USER_FIELDS:  # one past the limit shows it was passed
-                    m.user_fields.append(_c_decode_entry(b, s, pos))
-                continue
-        elif wt == 0 and (3 <= field <= 5 or 10 <= field <= 11 or field == 13):
-            pos = _c_varint(b, pos, end, cython.address(v))
-            if field == 3:
-                m.compress_type = _c_signed32(v)
-            elif field == 4:
-                m.correlation_id = _c_signed64(v)
-            elif field == 5:
-                m.attachment_size = _c_signed32(v)
-            elif field == 10:
-                m.content_type = _c_signed32(v)
-            elif field == 11:
-                m.checksum_type = _c_signed32(v)
-            else:
-                m.checksum_with_attachment = v != 0
-            continue
-        pos = _c_skip(b, wt, field, pos, end, 0)
-    if m.has_request and (m.service_name is None or m.method_name is None):
-        missing = "service_name" if m.service_name is None else "method_name"
-        raise _bad(f"required field request.{missing} is missing")
-    return 0
+        if not isinstance(buf, memoryview):
+            buf = memoryview(buf)  # no buffer: TypeError
+        if buf.format != "B" or buf.ndim != 1:
+            buf = buf.cast("B")
+        m = RpcMeta()
+        _decode(m, buf, len(buf))
+        return m
