@@ -21,3 +21,7 @@ def _keep(decorated):
 locals = returns = exceptval = freelist = _types  # noqa: A001  (cython.locals shadows a builtin)
 cfunc = inline = cclass = _keep
 Py_ssize_t = int
+
+
+def fused_type(*types):  # a C type standing for each of `types`; as Python, any object
+    return object

@@ -1,6 +1,7 @@
-# Types of meta.py when Cython compiles it (aiobrpc/_compiled.py). The .py file is the source
-# of both builds and declares its own C functions (cython.cfunc): declared here, they would be
-# exported through the module's C API, and gcc then does not inline the small ones.
+# Types of meta.py when Cython compiles it (aiobrpc/_compiled.py): what it cimports, its C
+# globals and the encoder's struct. The .py file is the source of both builds and declares its
+# own C functions (cython.cfunc): declared here, they would be exported through the module's C
+# API, and gcc then does not inline the small ones.
 
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer

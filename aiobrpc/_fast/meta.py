@@ -15,15 +15,11 @@ skipped, a known field with an unexpected wire type is treated as unknown, a rep
 keeps the last value, a repeated sub-message merges, a missing required field of the request
 sub-message fails. Anything malformed raises RemoteProtocolError.
 
-Decoding is one code for both builds: compiled, it walks a C pointer over the caller's buffer
-with the position in a one-element C array; as Python, a memoryview with the position in a
-one-element list. Encoding has a C path under `if cython.compiled:` (the `_c_*` functions,
-which run only compiled): it writes into a stack buffer (moved to the heap only if a meta
-outgrows it) with C varints, a sub-message getting a one-byte length slot that is widened in
-place in the rare case that it turns out to be 128 bytes or more. Inputs the C path does not
-model (a duck-typed meta object, a deleted field, a flag that is not a bool, user_fields that
-are not a list or tuple of pairs, an odd magic or payload_size) take the Python code after it,
-so their behaviour, errors included, is the Python build's by construction.
+Each direction is one code for both builds; the few lines that differ sit under
+`if cython.compiled:` in small helpers. Compiled, decoding walks a C pointer over the caller's
+buffer with the position in a one-element C array, and encoding writes into a stack buffer
+(moved to the heap only if a meta outgrows it) with C varints; as Python, a memoryview with the
+position in a one-element list, and a bytearray.
 """
 
 from __future__ import annotations
@@ -221,7 +217,17 @@ if cython.compiled:
 
 
 # ---------------------------------------------------------------------------------------------
-# encoding
+# encoding: one code for both builds. Compiled, `o` is an _Out, a byte buffer on the stack
+# (moved to the heap only if a meta outgrows it) written with C varints; as Python, a
+# bytearray. A sub-message gets a one-byte length slot (_open), widened in place by _close in
+# the rare case that it turns out to be 128 bytes or more. Compiled, _encode_into reads an
+# RpcMeta's fields as struct members where _fast_path says that no Python code can run while
+# it encodes (no field deleted, flags that are bools, user_fields a list or tuple of pairs);
+# anything else (a duck-typed meta among them) takes the same code with generic attribute
+# access (the fused type below makes both), so it behaves as the Python build does.
+
+MetaT = cython.fused_type(RpcMeta, object)
+
 
 def _varint(out: bytearray, v: int) -> None:
     while v > 0x7F:
@@ -230,173 +236,11 @@ def _varint(out: bytearray, v: int) -> None:
     out.append(v)
 
 
-def _int64(out: bytearray, tag: int, v: object, name: str) -> None:
-    if not isinstance(v, int):
-        raise LocalProtocolError(f"RpcMeta.{name} must be an int, got {type(v).__name__}")
-    if not -(1 << 63) <= v <= _MASK64:
-        raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in 64 bits")
-    out.append(tag)
-    _varint(out, v & _MASK64)
-
-
-def _int32(out: bytearray, tag: int, v: object, name: str) -> None:
-    if not isinstance(v, int):
-        raise LocalProtocolError(f"RpcMeta.{name} must be an int, got {type(v).__name__}")
-    if not -(1 << 31) <= v < (1 << 31):
-        raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in int32")
-    out.append(tag)
-    _varint(out, v & _MASK64)
-
-
-def _blob(out: bytearray, tag: int, v: object, name: str) -> None:
-    if isinstance(v, str):
-        v = v.encode()
-    elif isinstance(v, memoryview):
-        if v.format != "B" or v.ndim != 1:
-            v = v.cast("B")  # the length prefix counts bytes, not items
-    elif not isinstance(v, (bytes, bytearray)):
-        raise LocalProtocolError(f"RpcMeta.{name} must be str or bytes, got {type(v).__name__}")
-    out.append(tag)
-    _varint(out, len(v))
-    out += v
-
-
-def _encode_into(out: bytearray, m: RpcMeta) -> None:
-    if m.has_request:
-        sub = bytearray()
-        if m.service_name is None or m.method_name is None:
-            raise LocalProtocolError("a request meta needs service_name and method_name")
-        _blob(sub, 0x0A, m.service_name, "service_name")
-        _blob(sub, 0x12, m.method_name, "method_name")
-        if m.log_id is not None:
-            _int64(sub, 0x18, m.log_id, "log_id")
-        if m.trace_id is not None:
-            _int64(sub, 0x20, m.trace_id, "trace_id")
-        if m.span_id is not None:
-            _int64(sub, 0x28, m.span_id, "span_id")
-        if m.parent_span_id is not None:
-            _int64(sub, 0x30, m.parent_span_id, "parent_span_id")
-        if m.request_id is not None:
-            _blob(sub, 0x3A, m.request_id, "request_id")
-        if m.timeout_ms is not None:
-            _int32(sub, 0x40, m.timeout_ms, "timeout_ms")
-        _blob(out, 0x0A, sub, "request")
-    if m.has_response:
-        sub = bytearray()
-        if m.error_code is not None:
-            _int32(sub, 0x08, m.error_code, "error_code")
-        if m.error_text is not None:
-            _blob(sub, 0x12, m.error_text, "error_text")
-        _blob(out, 0x12, sub, "response")
-    if m.compress_type is not None:
-        _int32(out, 0x18, m.compress_type, "compress_type")
-    if m.correlation_id is not None:
-        _int64(out, 0x20, m.correlation_id, "correlation_id")
-    if m.attachment_size is not None:
-        _int32(out, 0x28, m.attachment_size, "attachment_size")
-    if m.chunk_info is not None:
-        _blob(out, 0x32, m.chunk_info, "chunk_info")
-    if m.authentication_data is not None:
-        _blob(out, 0x3A, m.authentication_data, "authentication_data")
-    if m.stream_settings is not None:
-        _blob(out, 0x42, m.stream_settings, "stream_settings")
-    if m.user_fields is not None:
-        for item in m.user_fields:
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise LocalProtocolError("RpcMeta.user_fields must hold (key, value) pairs, got "
-                                         + (f"a {type(item).__name__} of length {len(item)}"
-                                            if isinstance(item, (tuple, list))
-                                            else type(item).__name__))
-            key, value = item
-            entry = bytearray()
-            _blob(entry, 0x0A, key, "user_fields key")
-            _blob(entry, 0x12, value, "user_fields value")
-            _blob(out, 0x4A, entry, "user_fields")
-    if m.content_type is not None:
-        _int32(out, 0x50, m.content_type, "content_type")
-    if m.checksum_type is not None:
-        _int32(out, 0x58, m.checksum_type, "checksum_type")
-    if m.checksum_value is not None:
-        _blob(out, 0x62, m.checksum_value, "checksum_value")
-    if m.checksum_with_attachment is not None:
-        out.append(0x68)
-        out.append(1 if m.checksum_with_attachment else 0)
-
-
-@cython.locals(stack="unsigned char[512]", o="_Out")
-def encode_meta(meta: RpcMeta) -> bytes:
-    """Serialize `meta` in field-number order, writing exactly the fields that are set."""
-    if cython.compiled:
-        if _fast_path(meta):
-            o.buf = stack
-            o.n = 0
-            o.cap = _STACK_SIZE
-            o.on_heap = False
-            try:
-                _c_encode_into(cython.address(o), cython.cast(RpcMeta, meta))
-                return PyBytes_FromStringAndSize(cython.cast(cython.p_char, o.buf), o.n)
-            finally:
-                if o.on_heap:
-                    PyMem_Free(o.buf)
-    out = bytearray()
-    _encode_into(out, meta)
-    return bytes(out)
-
-
-@cython.locals(stack="unsigned char[512]", o="_Out", overflow=int, payload="long long",
-               c_meta="unsigned long long", c_body="unsigned long long")
-def pack_head(magic: bytes, meta: RpcMeta, payload_size: int) -> bytes:
-    """The 12-byte header followed by the serialized meta, as one buffer.
-
-    `payload_size` is everything after the meta (data and attachment).
-    """
-    if cython.compiled:
-        overflow = 0
-        payload = 0
-        if PyLong_Check(payload_size):
-            payload = PyLong_AsLongLongAndOverflow(payload_size, cython.address(overflow))
-        if (type(magic) is bytes and len(cython.cast(bytes, magic)) == 4
-                and PyLong_Check(payload_size) and overflow == 0 and payload >= 0 and payload <= _U32_MAX and _fast_path(meta)):
-            o.buf = stack
-            o.n = HEADER
-            o.cap = _STACK_SIZE
-            o.on_heap = False
-            try:
-                _c_encode_into(cython.address(o), cython.cast(RpcMeta, meta))
-                c_meta = o.n - HEADER
-                c_body = c_meta + payload
-                if c_body > _U32_MAX:
-                    raise LocalProtocolError(
-                        f"frame body of {c_body} bytes does not fit the 32-bit body_size")
-                memcpy(o.buf, PyBytes_AS_STRING(magic), 4)
-                put_u32(o.buf + 4, cython.cast(uint32_t, c_body))
-                put_u32(o.buf + 8, cython.cast(uint32_t, c_meta))
-                return PyBytes_FromStringAndSize(cython.cast(cython.p_char, o.buf), o.n)
-            finally:
-                if o.on_heap:
-                    PyMem_Free(o.buf)
-    if not isinstance(magic, bytes) or len(magic) != 4:
-        raise LocalProtocolError(f"magic must be 4 bytes, got {magic!r}")
-    if not isinstance(payload_size, int) or payload_size < 0:
-        raise LocalProtocolError(f"payload_size must be an int >= 0, got {payload_size!r}")
-    out = bytearray(magic)
-    out += b"\0\0\0\0\0\0\0\0"
-    _encode_into(out, meta)
-    meta_size = len(out) - 12
-    body_size = meta_size + payload_size
-    if body_size > 0xFFFFFFFF:
-        raise LocalProtocolError(f"frame body of {body_size} bytes does not fit the 32-bit body_size")
-    out[4:12] = body_size.to_bytes(4, "big") + meta_size.to_bytes(4, "big")
-    return bytes(out)
-
-
-# Compiled encoding: an _Out is a byte buffer on the stack or the heap, `n` of `cap` bytes used.
-
 @cython.cfunc
 @cython.locals(o="_Out*", extra=cython.Py_ssize_t, cap=cython.Py_ssize_t, p="unsigned char*")
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_grow(o, extra):
+def _grow(o, extra):  # compiled only
     if extra > PY_SSIZE_T_MAX - o.n:
         raise MemoryError()
     cap = o.cap * 2 if o.cap <= PY_SSIZE_T_MAX // 2 else PY_SSIZE_T_MAX
@@ -421,9 +265,9 @@ def _c_grow(o, extra):
 @cython.locals(o="_Out*", extra=cython.Py_ssize_t)
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_reserve(o, extra):
+def _reserve(o, extra):  # compiled only
     if extra > o.cap - o.n:
-        _c_grow(o, extra)
+        _grow(o, extra)
     return 0
 
 
@@ -432,7 +276,7 @@ def _c_reserve(o, extra):
 @cython.locals(v="uint64_t", k=int)
 @cython.returns("int")
 @cython.exceptval(check=False)
-def _c_varint_size(v):
+def _varint_size(v):  # compiled only
     k = 1
     while v > 0x7F:
         v >>= 7
@@ -445,7 +289,7 @@ def _c_varint_size(v):
 @cython.locals(p="unsigned char*", v="uint64_t")
 @cython.returns("void")
 @cython.exceptval(check=False)
-def _c_write_varint(p, v):
+def _write_varint(p, v):  # compiled only
     while v > 0x7F:
         p[0] = cython.cast(cython.uchar, (v & 0x7F) | 0x80)
         p += 1
@@ -458,11 +302,15 @@ def _c_write_varint(p, v):
 @cython.locals(o="_Out*", tag="unsigned char", v="uint64_t")
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_varint_field(o, tag, v):
-    _c_reserve(o, 11)
-    o.buf[o.n] = tag
-    _c_write_varint(o.buf + o.n + 1, v)
-    o.n += 1 + _c_varint_size(v)
+def _put_varint(o, tag, v):
+    if cython.compiled:
+        _reserve(o, 11)
+        o.buf[o.n] = tag
+        _write_varint(o.buf + o.n + 1, v)
+        o.n += 1 + _varint_size(v)
+    else:
+        o.append(tag)
+        _varint(o, v)
     return 0
 
 
@@ -470,12 +318,9 @@ def _c_varint_field(o, tag, v):
 @cython.locals(o="_Out*", tag="unsigned char", p="const char*", n=cython.Py_ssize_t)
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_bytes_field(o, tag, p, n):
-    _c_reserve(o, 11)
-    o.buf[o.n] = tag
-    _c_write_varint(o.buf + o.n + 1, cython.cast(uint64_t, n))
-    o.n += 1 + _c_varint_size(cython.cast(uint64_t, n))
-    _c_reserve(o, n)
+def _put_bytes(o, tag, p, n):  # compiled only
+    _put_varint(o, tag, cython.cast(uint64_t, n))
+    _reserve(o, n)
     memcpy(o.buf + o.n, p, cython.cast(cython.size_t, n))
     o.n += n
     return 0
@@ -483,29 +328,40 @@ def _c_bytes_field(o, tag, p, n):
 
 @cython.cfunc
 @cython.locals(o="_Out*", tag="unsigned char")
-@cython.returns("Py_ssize_t")
+@cython.returns(cython.Py_ssize_t)
 @cython.exceptval(-1)
-def _c_open(o, tag):
+def _open(o, tag):
     """Start a sub-message: its tag and a one-byte length slot. Returns where its bytes start."""
-    _c_reserve(o, 2)
-    o.buf[o.n] = tag
-    o.buf[o.n + 1] = 0
-    o.n += 2
-    return o.n
+    if cython.compiled:
+        _reserve(o, 2)
+        o.buf[o.n] = tag
+        o.buf[o.n + 1] = 0
+        o.n += 2
+        return o.n
+    else:
+        o.append(tag)
+        o.append(0)
+        return len(o)
 
 
 @cython.cfunc
 @cython.locals(o="_Out*", start=cython.Py_ssize_t, size=cython.Py_ssize_t, k=int)
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_close(o, start):
-    size = o.n - start
-    k = _c_varint_size(cython.cast(uint64_t, size))
-    if k > 1:
-        _c_reserve(o, k - 1)
-        memmove(o.buf + start - 1 + k, o.buf + start, cython.cast(cython.size_t, size))
-        o.n += k - 1
-    _c_write_varint(o.buf + start - 1, cython.cast(uint64_t, size))
+def _close(o, start):
+    """End the sub-message started at `start`: its length into the slot before it."""
+    if cython.compiled:
+        size = o.n - start
+        k = _varint_size(cython.cast(uint64_t, size))
+        if k > 1:
+            _reserve(o, k - 1)
+            memmove(o.buf + start - 1 + k, o.buf + start, cython.cast(cython.size_t, size))
+            o.n += k - 1
+        _write_varint(o.buf + start - 1, cython.cast(uint64_t, size))
+    else:
+        slot = bytearray()
+        _varint(slot, len(o) - start)
+        o[start - 1:start] = slot
     return 0
 
 
@@ -514,66 +370,93 @@ def _c_close(o, start):
                u="uint64_t")
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_int64(o, tag, v, name):
-    overflow = 0
-    u = 0
+def _put_int64(o, tag, v, name):
     if not isinstance(v, int):
         raise LocalProtocolError(f"RpcMeta.{name} must be an int, got {type(v).__name__}")
-    s = PyLong_AsLongLongAndOverflow(v, cython.address(overflow))
-    if overflow == 0:
-        u = cython.cast(uint64_t, s)
-    elif overflow > 0:
-        try:
-            u = PyLong_AsUnsignedLongLong(v)
-        except OverflowError:
-            overflow = 2
-    if overflow < 0 or overflow == 2:
-        raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in 64 bits")
-    return _c_varint_field(o, tag, u)
+    if cython.compiled:
+        overflow = 0
+        u = 0
+        s = PyLong_AsLongLongAndOverflow(v, cython.address(overflow))
+        if overflow == 0:
+            u = cython.cast(uint64_t, s)
+        elif overflow > 0:
+            try:
+                u = PyLong_AsUnsignedLongLong(v)
+            except OverflowError:
+                overflow = 2
+        if overflow < 0 or overflow == 2:
+            raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in 64 bits")
+        return _put_varint(o, tag, u)
+    else:
+        if not -(1 << 63) <= v <= _MASK64:
+            raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in 64 bits")
+        o.append(tag)
+        _varint(o, v & _MASK64)
+        return 0
 
 
 @cython.cfunc
 @cython.locals(o="_Out*", tag="unsigned char", name=str, overflow=int, s="long long")
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_int32(o, tag, v, name):
-    overflow = 0
+def _put_int32(o, tag, v, name):
+    # A negative int32 goes on the wire sign-extended to 64 bits (10 bytes), as protobuf does.
     if not isinstance(v, int):
         raise LocalProtocolError(f"RpcMeta.{name} must be an int, got {type(v).__name__}")
-    s = PyLong_AsLongLongAndOverflow(v, cython.address(overflow))
-    if overflow != 0 or s < -2147483648 or s > 2147483647:
-        raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in int32")
-    # A negative int32 goes on the wire sign-extended to 64 bits (10 bytes), as protobuf does.
-    return _c_varint_field(o, tag, cython.cast(uint64_t, s))
+    if cython.compiled:
+        overflow = 0
+        s = PyLong_AsLongLongAndOverflow(v, cython.address(overflow))
+        if overflow != 0 or s < -2147483648 or s > 2147483647:
+            raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in int32")
+        return _put_varint(o, tag, cython.cast(uint64_t, s))
+    else:
+        if not -(1 << 31) <= v < (1 << 31):
+            raise LocalProtocolError(f"RpcMeta.{name}={v} does not fit in int32")
+        o.append(tag)
+        _varint(o, v & _MASK64)
+        return 0
 
 
 @cython.cfunc
-@cython.locals(o="_Out*", tag="unsigned char", name=str, p="const char*", n=cython.Py_ssize_t,
-               view="Py_buffer")
+@cython.locals(o="_Out*", tag="unsigned char", name=str, p="const char*",
+               n=cython.Py_ssize_t, view="Py_buffer")
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_blob(o, tag, v, name):
-    if isinstance(v, str):
-        p = PyUnicode_AsUTF8AndSize(v, cython.address(n))
-        return _c_bytes_field(o, tag, p, n)
-    if isinstance(v, bytes):
-        return _c_bytes_field(o, tag, PyBytes_AS_STRING(v), len(cython.cast(bytes, v)))
-    if isinstance(v, bytearray):  # read directly: a subclass's __buffer__ would be Python code
-        return _c_bytes_field(o, tag, PyByteArray_AS_STRING(v), PyByteArray_GET_SIZE(v))
-    if not isinstance(v, memoryview):
-        raise LocalProtocolError(f"RpcMeta.{name} must be str or bytes, got {type(v).__name__}")
-    try:
-        PyObject_GetBuffer(v, cython.address(view), PyBUF_SIMPLE)
-    except BufferError:
-        # the Python build's `bytearray += v` reports a refused buffer as this TypeError
-        raise TypeError(f"can't concat {type(v).__name__} to bytearray") from None
-    try:
-        if PyMemoryView_GET_BUFFER(v).ndim == 0:
-            len(v)  # raises the Python build's TypeError (0-dim memory has no length)
-        _c_bytes_field(o, tag, cython.cast(cython.p_const_char, view.buf), view.len)
-    finally:
-        PyBuffer_Release(cython.address(view))
-    return 0
+def _put_blob(o, tag, v, name):
+    if cython.compiled:
+        if isinstance(v, str):
+            p = PyUnicode_AsUTF8AndSize(v, cython.address(n))
+            return _put_bytes(o, tag, p, n)
+        if isinstance(v, bytes):
+            return _put_bytes(o, tag, PyBytes_AS_STRING(v), len(cython.cast(bytes, v)))
+        if isinstance(v, bytearray):  # read directly: a subclass's __buffer__ would be Python code
+            return _put_bytes(o, tag, PyByteArray_AS_STRING(v), PyByteArray_GET_SIZE(v))
+        if not isinstance(v, memoryview):
+            raise LocalProtocolError(f"RpcMeta.{name} must be str or bytes, got {type(v).__name__}")
+        try:
+            PyObject_GetBuffer(v, cython.address(view), PyBUF_SIMPLE)
+        except BufferError:
+            # the Python build's `bytearray += v` reports a refused buffer as this TypeError
+            raise TypeError(f"can't concat {type(v).__name__} to bytearray") from None
+        try:
+            if PyMemoryView_GET_BUFFER(v).ndim == 0:
+                len(v)  # raises the Python build's TypeError (0-dim memory has no length)
+            _put_bytes(o, tag, cython.cast(cython.p_const_char, view.buf), view.len)
+        finally:
+            PyBuffer_Release(cython.address(view))
+        return 0
+    else:
+        if isinstance(v, str):
+            v = v.encode()
+        elif isinstance(v, memoryview):
+            if v.format != "B" or v.ndim != 1:
+                v = v.cast("B")  # the length prefix counts bytes, not items
+        elif not isinstance(v, (bytes, bytearray)):
+            raise LocalProtocolError(f"RpcMeta.{name} must be str or bytes, got {type(v).__name__}")
+        o.append(tag)
+        _varint(o, len(v))
+        o += v
+        return 0
 
 
 @cython.cfunc
@@ -581,10 +464,9 @@ def _c_blob(o, tag, v, name):
 @cython.returns("bint")
 @cython.exceptval(-1)
 def _fast_path(meta) -> bool:
-    """Can _c_encode_into take `meta`? Only if encoding it runs no Python code: an RpcMeta of
-    this class with no field deleted, flags that are bools (no __bool__ to call), user_fields
-    a list or tuple of pairs. Anything else takes the Python code, which then defines the
-    behaviour."""
+    """Can _encode_into read `meta`'s fields as struct members? Only if encoding it runs no
+    Python code: an RpcMeta of this class with no field deleted, flags that are bools (no
+    __bool__ to call), user_fields a list or tuple of pairs."""
     if type(meta) is not RpcMeta or not _complete(cython.cast(RpcMeta, meta)):
         return False
     m = cython.cast(RpcMeta, meta)
@@ -603,65 +485,139 @@ def _fast_path(meta) -> bool:
 
 
 @cython.cfunc
-@cython.locals(o="_Out*", m=RpcMeta, start=cython.Py_ssize_t)
+@cython.locals(o="_Out*", m=MetaT, start=cython.Py_ssize_t)
 @cython.returns("int")
 @cython.exceptval(-1)
-def _c_encode_into(o, m):
-    # Runs no Python code (see _fast_path), so reading fields straight from `m` is safe.
+def _encode_into(o, m):
     if m.has_request:
         if m.service_name is None or m.method_name is None:
             raise LocalProtocolError("a request meta needs service_name and method_name")
-        start = _c_open(o, 0x0A)
-        _c_blob(o, 0x0A, m.service_name, "service_name")
-        _c_blob(o, 0x12, m.method_name, "method_name")
+        start = _open(o, 0x0A)
+        _put_blob(o, 0x0A, m.service_name, "service_name")
+        _put_blob(o, 0x12, m.method_name, "method_name")
         if m.log_id is not None:
-            _c_int64(o, 0x18, m.log_id, "log_id")
+            _put_int64(o, 0x18, m.log_id, "log_id")
         if m.trace_id is not None:
-            _c_int64(o, 0x20, m.trace_id, "trace_id")
+            _put_int64(o, 0x20, m.trace_id, "trace_id")
         if m.span_id is not None:
-            _c_int64(o, 0x28, m.span_id, "span_id")
+            _put_int64(o, 0x28, m.span_id, "span_id")
         if m.parent_span_id is not None:
-            _c_int64(o, 0x30, m.parent_span_id, "parent_span_id")
+            _put_int64(o, 0x30, m.parent_span_id, "parent_span_id")
         if m.request_id is not None:
-            _c_blob(o, 0x3A, m.request_id, "request_id")
+            _put_blob(o, 0x3A, m.request_id, "request_id")
         if m.timeout_ms is not None:
-            _c_int32(o, 0x40, m.timeout_ms, "timeout_ms")
-        _c_close(o, start)
+            _put_int32(o, 0x40, m.timeout_ms, "timeout_ms")
+        _close(o, start)
     if m.has_response:
-        start = _c_open(o, 0x12)
+        start = _open(o, 0x12)
         if m.error_code is not None:
-            _c_int32(o, 0x08, m.error_code, "error_code")
+            _put_int32(o, 0x08, m.error_code, "error_code")
         if m.error_text is not None:
-            _c_blob(o, 0x12, m.error_text, "error_text")
-        _c_close(o, start)
+            _put_blob(o, 0x12, m.error_text, "error_text")
+        _close(o, start)
     if m.compress_type is not None:
-        _c_int32(o, 0x18, m.compress_type, "compress_type")
+        _put_int32(o, 0x18, m.compress_type, "compress_type")
     if m.correlation_id is not None:
-        _c_int64(o, 0x20, m.correlation_id, "correlation_id")
+        _put_int64(o, 0x20, m.correlation_id, "correlation_id")
     if m.attachment_size is not None:
-        _c_int32(o, 0x28, m.attachment_size, "attachment_size")
+        _put_int32(o, 0x28, m.attachment_size, "attachment_size")
     if m.chunk_info is not None:
-        _c_blob(o, 0x32, m.chunk_info, "chunk_info")
+        _put_blob(o, 0x32, m.chunk_info, "chunk_info")
     if m.authentication_data is not None:
-        _c_blob(o, 0x3A, m.authentication_data, "authentication_data")
+        _put_blob(o, 0x3A, m.authentication_data, "authentication_data")
     if m.stream_settings is not None:
-        _c_blob(o, 0x42, m.stream_settings, "stream_settings")
+        _put_blob(o, 0x42, m.stream_settings, "stream_settings")
     if m.user_fields is not None:
         for item in m.user_fields:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise LocalProtocolError("RpcMeta.user_fields must hold (key, value) pairs, got "
+                                         + (f"a {type(item).__name__} of length {len(item)}"
+                                            if isinstance(item, (tuple, list))
+                                            else type(item).__name__))
             key, value = item
-            start = _c_open(o, 0x4A)
-            _c_blob(o, 0x0A, key, "user_fields key")
-            _c_blob(o, 0x12, value, "user_fields value")
-            _c_close(o, start)
+            start = _open(o, 0x4A)
+            _put_blob(o, 0x0A, key, "user_fields key")
+            _put_blob(o, 0x12, value, "user_fields value")
+            _close(o, start)
     if m.content_type is not None:
-        _c_int32(o, 0x50, m.content_type, "content_type")
+        _put_int32(o, 0x50, m.content_type, "content_type")
     if m.checksum_type is not None:
-        _c_int32(o, 0x58, m.checksum_type, "checksum_type")
+        _put_int32(o, 0x58, m.checksum_type, "checksum_type")
     if m.checksum_value is not None:
-        _c_blob(o, 0x62, m.checksum_value, "checksum_value")
+        _put_blob(o, 0x62, m.checksum_value, "checksum_value")
     if m.checksum_with_attachment is not None:
-        _c_varint_field(o, 0x68, 1 if m.checksum_with_attachment else 0)
+        _put_varint(o, 0x68, 1 if m.checksum_with_attachment else 0)
     return 0
+
+
+@cython.locals(stack="unsigned char[512]", o="_Out")
+def encode_meta(meta: RpcMeta) -> bytes:
+    """Serialize `meta` in field-number order, writing exactly the fields that are set."""
+    if cython.compiled:
+        o.buf = stack
+        o.n = 0
+        o.cap = _STACK_SIZE
+        o.on_heap = False
+        try:
+            if _fast_path(meta):
+                _encode_into(cython.address(o), cython.cast(RpcMeta, meta))
+            else:
+                _encode_into(cython.address(o), meta)
+            return PyBytes_FromStringAndSize(cython.cast(cython.p_char, o.buf), o.n)
+        finally:
+            if o.on_heap:
+                PyMem_Free(o.buf)
+    else:
+        out = bytearray()
+        _encode_into(out, meta)
+        return bytes(out)
+
+
+@cython.locals(stack="unsigned char[512]", o="_Out", overflow=int, payload="long long",
+               meta_size=cython.Py_ssize_t)
+def pack_head(magic: bytes, meta: RpcMeta, payload_size: int) -> bytes:
+    """The 12-byte header followed by the serialized meta, as one buffer.
+
+    `payload_size` is everything after the meta (data and attachment).
+    """
+    if not isinstance(magic, bytes) or len(magic) != 4:
+        raise LocalProtocolError(f"magic must be 4 bytes, got {magic!r}")
+    if not isinstance(payload_size, int) or payload_size < 0:
+        raise LocalProtocolError(f"payload_size must be an int >= 0, got {payload_size!r}")
+    if cython.compiled:
+        o.buf = stack
+        o.n = HEADER
+        o.cap = _STACK_SIZE
+        o.on_heap = False
+        try:
+            if _fast_path(meta):
+                _encode_into(cython.address(o), cython.cast(RpcMeta, meta))
+            else:
+                _encode_into(cython.address(o), meta)
+            meta_size = o.n - HEADER
+            overflow = 0
+            payload = PyLong_AsLongLongAndOverflow(payload_size, cython.address(overflow))
+            if overflow != 0 or payload > _U32_MAX - meta_size:
+                raise LocalProtocolError(f"frame body of {meta_size + payload_size} bytes does not "
+                                         "fit the 32-bit body_size")
+            memcpy(o.buf, PyBytes_AS_STRING(magic), 4)
+            put_u32(o.buf + 4, cython.cast(uint32_t, meta_size + payload))
+            put_u32(o.buf + 8, cython.cast(uint32_t, meta_size))
+            return PyBytes_FromStringAndSize(cython.cast(cython.p_char, o.buf), o.n)
+        finally:
+            if o.on_heap:
+                PyMem_Free(o.buf)
+    else:
+        out = bytearray(magic)
+        out += b"\0\0\0\0\0\0\0\0"
+        _encode_into(out, meta)
+        meta_size = len(out) - 12
+        body_size = meta_size + payload_size
+        if body_size > 0xFFFFFFFF:
+            raise LocalProtocolError(f"frame body of {body_size} bytes does not fit the 32-bit "
+                                     "body_size")
+        out[4:12] = body_size.to_bytes(4, "big") + meta_size.to_bytes(4, "big")
+        return bytes(out)
 
 
 # ---------------------------------------------------------------------------------------------
