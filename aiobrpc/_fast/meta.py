@@ -585,6 +585,8 @@ def pack_head(magic: bytes, meta: RpcMeta, payload_size: int) -> bytes:
     if not isinstance(payload_size, int) or payload_size < 0:
         raise LocalProtocolError(f"payload_size must be an int >= 0, got {payload_size!r}")
     if cython.compiled:
+        if PyBytes_GET_SIZE(magic) != 4:  # a bytes subclass whose len() is not its size
+            raise LocalProtocolError(f"magic must be 4 bytes, got {magic!r}")
         o.buf = stack
         o.n = HEADER
         o.cap = _STACK_SIZE
@@ -609,6 +611,8 @@ def pack_head(magic: bytes, meta: RpcMeta, payload_size: int) -> bytes:
                 PyMem_Free(o.buf)
     else:
         out = bytearray(magic)
+        if len(out) != 4:  # a bytes subclass whose len() is not its size
+            raise LocalProtocolError(f"magic must be 4 bytes, got {magic!r}")
         out += b"\0\0\0\0\0\0\0\0"
         _encode_into(out, meta)
         meta_size = len(out) - 12

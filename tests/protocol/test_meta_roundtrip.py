@@ -137,6 +137,14 @@ def test_user_fields_that_are_not_pairs_are_local_errors(entry, says):
             encode(m)
 
 
+def test_a_magic_whose_len_lies_is_refused():
+    class Lying(bytes):
+        def __len__(self):
+            return 4
+    with pytest.raises(LocalProtocolError, match="magic must be 4 bytes"):
+        _fast.pack_head(Lying(b"PR"), _fast.RpcMeta(), 0)
+
+
 def test_pack_head_layout():
     m = _full_meta(has_request=True, service_name="a.S", method_name="M", correlation_id=1)
     head = _fast.pack_head(b"PRPC", m, 10)
