@@ -678,6 +678,20 @@ def _get_varint(b, cur, end):
 @cython.cfunc
 @cython.inline
 @cython.locals(b="const unsigned char*", cur="Py_ssize_t*", end=cython.Py_ssize_t,
+               tag="uint64_t")
+@cython.returns("uint64_t")
+@cython.exceptval(-1, check=True)
+def _get_tag(b, cur, end):
+    """A field's tag (field number << 3 | wire type); field number 0 does not exist."""
+    tag = _get_varint(b, cur, end)
+    if tag >> 3 == 0:
+        raise _bad("field number 0")
+    return tag
+
+
+@cython.cfunc
+@cython.inline
+@cython.locals(b="const unsigned char*", cur="Py_ssize_t*", end=cython.Py_ssize_t,
                n="uint64_t")
 @cython.returns(cython.Py_ssize_t)
 @cython.exceptval(-1)
@@ -710,9 +724,7 @@ def _skip(b, wt, field, cur, end, depth):
         if depth >= _MAX_GROUP_DEPTH:
             raise _bad("groups nested too deeply")
         while True:
-            tag = _get_varint(b, cur, end)
-            if tag >> 3 == 0:
-                raise _bad("field number 0")
+            tag = _get_tag(b, cur, end)
             if tag & 7 == 4:
                 if tag >> 3 != field:
                     raise _bad("mismatched end of group")
@@ -813,11 +825,9 @@ def _signed32(v):
 def _decode_request(m, b, start, end):
     cur = [start]
     while cur[0] < end:
-        tag = _get_varint(b, cur, end)
+        tag = _get_tag(b, cur, end)
         field = tag >> 3
         wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
         if wt == 2 and (field == 1 or field == 2 or field == 7):
             s = _read_len(b, cur, end)
             if field == 7:
@@ -851,11 +861,9 @@ def _decode_request(m, b, start, end):
 def _decode_response(m, b, start, end):
     cur = [start]
     while cur[0] < end:
-        tag = _get_varint(b, cur, end)
+        tag = _get_tag(b, cur, end)
         field = tag >> 3
         wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
         if field == 1 and wt == 0:
             m.error_code = _signed32(_get_varint(b, cur, end))
         elif field == 2 and wt == 2:
@@ -875,11 +883,9 @@ def _decode_entry(b, start, end):
     key = value = ""
     cur = [start]
     while cur[0] < end:
-        tag = _get_varint(b, cur, end)
+        tag = _get_tag(b, cur, end)
         field = tag >> 3
         wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
         if wt == 2 and (field == 1 or field == 2):
             s = _read_len(b, cur, end)
             text = _text(b, s, cur[0], "user_fields entry")
@@ -902,11 +908,9 @@ def _decode_entry(b, start, end):
 def _decode(m, b, end):
     cur = [0]
     while cur[0] < end:
-        tag = _get_varint(b, cur, end)
+        tag = _get_tag(b, cur, end)
         field = tag >> 3
         wt = tag & 7
-        if field == 0:
-            raise _bad("field number 0")
         if wt == 2:
             if field == 1:
                 s = _read_len(b, cur, end)
