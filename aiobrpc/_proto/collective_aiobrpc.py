@@ -55,6 +55,14 @@ class CollectiveStub:
             "aiobrpc.collective.Collective", "Send", request, collective_pb2.Ack, cntl)
         return response
 
+    async def Lane(self, request: collective_pb2.LaneRequest,
+                   cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
+        if type(request) is not collective_pb2.LaneRequest and not isinstance(request, collective_pb2.LaneRequest):
+            raise TypeError(f"aiobrpc.collective.Collective.Lane takes a request of type aiobrpc.collective.LaneRequest, got {type(request).__name__}")
+        response: collective_pb2.Ack = await self.channel.call_method(
+            "aiobrpc.collective.Collective", "Lane", request, collective_pb2.Ack, cntl)
+        return response
+
 
 class CollectiveSyncStub:
     """Calls aiobrpc.collective.Collective on an `aiobrpc.sync.Channel`; each method blocks until the response."""
@@ -99,6 +107,14 @@ class CollectiveSyncStub:
             "aiobrpc.collective.Collective", "Send", request, collective_pb2.Ack, cntl)
         return response
 
+    def Lane(self, request: collective_pb2.LaneRequest,
+             cntl: aiobrpc.Controller | None = None) -> collective_pb2.Ack:
+        if type(request) is not collective_pb2.LaneRequest and not isinstance(request, collective_pb2.LaneRequest):
+            raise TypeError(f"aiobrpc.collective.Collective.Lane takes a request of type aiobrpc.collective.LaneRequest, got {type(request).__name__}")
+        response: collective_pb2.Ack = self.channel.call_method(
+            "aiobrpc.collective.Collective", "Lane", request, collective_pb2.Ack, cntl)
+        return response
+
 
 class CollectiveServicer(aiobrpc.Servicer):
     """Serves aiobrpc.collective.Collective: override its methods and pass an instance to `Server.add_service`.
@@ -124,3 +140,7 @@ class CollectiveServicer(aiobrpc.Servicer):
     async def Send(self, request: collective_pb2.SendRequest,
                    cntl: aiobrpc.Controller) -> collective_pb2.Ack:
         raise aiobrpc.RpcError(aiobrpc.errors.EINTERNAL, "Method Send() not implemented.")
+
+    async def Lane(self, request: collective_pb2.LaneRequest,
+                   cntl: aiobrpc.Controller) -> collective_pb2.Ack:
+        raise aiobrpc.RpcError(aiobrpc.errors.EINTERNAL, "Method Lane() not implemented.")

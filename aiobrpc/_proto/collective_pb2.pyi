@@ -247,3 +247,33 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class LaneRequest(_message.Message):
+    """Opens a lane (lanes.py): sent by the lower rank on its own connection to the higher rank's
+    lane port, with stream_settings offering its stream; answered with an Ack and the higher
+    rank's stream. A rank's Server refuses it: lanes have a port of their own.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    SRC_FIELD_NUMBER: _builtins.int
+    DST_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    src: _builtins.int
+    dst: _builtins.int
+    def __init__(
+        self,
+        *,
+        group: _builtins.str | None = ...,
+        src: _builtins.int | None = ...,
+        dst: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dst", b"dst", "group", b"group", "src", b"src"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst", b"dst", "group", b"group", "src", b"src"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaneRequest: _TypeAlias = LaneRequest  # noqa: Y015

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from . import ops
 from . import p2p as p2p_mod
 from .errors import CollectiveError, CollectiveTimeout
 from .exchange import all_to_all, gather, scatter
+from .lanes import Deadline, Lanes
 from .reduce import ReduceOp, reduce_op
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,9 @@ class Group:
         p2p_buffer_bytes: The most bytes of such held messages per peer.
         p2p_max_messages: The most messages per peer held or waiting with no recv posted;
             one more breaks the group.
+        lanes: Carry all_to_all on lanes (lanes.py): a connection per pair of ranks read and
+            written by blocking threads, opened when the group starts. False: as messages
+            through the group's calls, like gather and scatter.
 
     >>> group = await Group.create(FileStore("/tmp/rdv"), rank, 4)  # doctest: +SKIP
     >>> await group.all_reduce(grads)            # summed over the 4 ranks, in place  # doctest: +SKIP
@@ -122,7 +127,7 @@ class Group:
     def __init__(self, rank: int, world_size: int, *, timeout: float = 300.0,
                  segment_bytes: int = 8 << 20, window: int = 2, thread_bytes: int | None = None,
                  p2p_eager_bytes: int = p2p_mod.EAGER_BYTES, p2p_buffer_bytes: int = p2p_mod.BUFFER_BYTES,
-                 p2p_max_messages: int = p2p_mod.MAX_MESSAGES) -> None:
+                 p2p_max_messages: int = p2p_mod.MAX_MESSAGES, lanes: bool = True) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -139,6 +144,11 @@ class Group:
                             ("p2p_max_messages", p2p_max_messages)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(lanes, bool):
+            raise ValueError(f"lanes must be True or False, got {lanes!r}")
+        self._want_lanes = lanes and world_size > 1
+        self._lanes: Lanes | None = None
+        self._lane_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._p2p_options = {"eager_bytes": p2p_eager_bytes, "buffer_bytes": p2p_buffer_bytes,
                              "max_messages": p2p_max_messages}
         self.p2p: p2p_mod.P2P | None = None
@@ -184,18 +194,34 @@ class Group:
         self._server = Server(ServerOptions(max_body_size=max(segment_max, 64 << 20)))
         self._server.add_service(_CollectiveServicer(self))
         await self._server.start(f"{host}:0")
+        lanes = Lanes(self.rank, self.world_size, host) if self._want_lanes else None
         try:
             if self.rank == 0:
                 self.id = secrets.token_hex(8)
                 await loop.run_in_executor(None, store.set, f"{prefix}/group", self.id.encode())
             else:
                 self.id = _text(await loop.run_in_executor(None, store.get, f"{prefix}/group"))
+            if lanes is not None:
+                await loop.run_in_executor(None, store.set, f"{prefix}/lane/{self.rank}", lanes.address.encode())
             await loop.run_in_executor(None, store.set, f"{prefix}/rank/{self.rank}", self._server.address.encode())
             for r in range(self.world_size):
                 self.addresses.append(_text(await loop.run_in_executor(None, store.get, f"{prefix}/rank/{r}")))
             if self.thread_bytes is None:
                 self.thread_bytes = auto_thread_bytes(self.addresses, self.rank)
+            if lanes is not None:
+                lane_addresses = [_text(await loop.run_in_executor(None, store.get, f"{prefix}/lane/{r}"))
+                                  for r in range(self.world_size)]
+                lanes.group_id = self.id
+                # A thread of the group's own: opening blocks until every rank opens, and the
+                # ranks of one process must not wait on each other for the default executor.
+                self._lane_pool = concurrent.futures.ThreadPoolExecutor(1, f"aiobrpc-lanes-rank{self.rank}")
+                await loop.run_in_executor(self._lane_pool, lanes.open, lane_addresses, self.timeout)
+                self._lanes = lanes
         except BaseException:
+            if lanes is not None:
+                lanes.close()
+            if self._lane_pool is not None:
+                self._lane_pool.shutdown(wait=False)
             await self._server.stop()
             await self._server.join(timeout=1)
             raise
@@ -224,6 +250,10 @@ class Group:
         await asyncio.gather(*self._background, return_exceptions=True)
         for ch in self._channels:
             await ch.close()
+        if self._lanes is not None:
+            self._lanes.close()
+        if self._lane_pool is not None:
+            self._lane_pool.shutdown(wait=False)
         if self._reducer is not None:
             self._reducer.shutdown(wait=False)
         if self._server is not None:
@@ -324,7 +354,28 @@ class Group:
         if len(outs) != self.world_size or len(ins) != self.world_size:
             raise ValueError(f"all_to_all needs {self.world_size} input and output tensors, got "
                              f"{len(ins)} and {len(outs)}")
+        if self._lanes is not None:
+            return self._enqueue_exchange("all_to_all", lambda seq: self._lane_all_to_all(seq, outs, ins))
         return self._enqueue_exchange("all_to_all", lambda seq: all_to_all(self, seq, outs, ins))
+
+    async def _lane_all_to_all(self, seq: int, outs: list, ins: list) -> None:
+        o = [p2p_mod.byte_view(t, "all_to_all output") for t in outs]
+        i = [p2p_mod.byte_view(t, "all_to_all input") for t in ins]
+        me = self.rank
+        if o[me][:2] != i[me][:2]:
+            raise ValueError(f"all_to_all output: {i[me][1]} {i[me][0]} cannot go into {o[me][1]} {o[me][0]}")
+        parts_out = [(d, n, buf) for d, n, _, buf in o]
+        parts_in = [(d, n, buf) for d, n, _, buf in i]
+        deadline = Deadline(time.monotonic() + self.timeout, f"all_to_all #{seq}")
+        try:
+            await self._loop.run_in_executor(self._lane_pool, self._lanes.all_to_all, seq, parts_out,
+                                             parts_in, deadline)
+        except CollectiveError as e:
+            self._fail(e)
+            raise self._broken from None
+        except asyncio.CancelledError:
+            self._fail(CollectiveError(f"all_to_all #{seq} was cancelled on rank {self.rank}", (self.rank,)))
+            raise
 
     def _check_root(self, root: Any) -> None:
         if not isinstance(root, int) or not 0 <= root < self.world_size:
@@ -531,6 +582,8 @@ class Group:
         self._waiters.clear()
         if self.p2p is not None:
             self.p2p.fail_all(err)
+        if self._lanes is not None:
+            self._lanes.abort(err)
         if tell_peers and self.addresses:
             seq = cur.seq if cur is not None else self.ops_started
             for r in range(self.world_size):
@@ -631,6 +684,9 @@ class _CollectiveServicer(Servicer):
         if req.group == self.group.id:
             self.group.aborted_by(req)
         return pb.Ack()
+
+    async def Lane(self, req: pb.LaneRequest, cntl: Controller) -> pb.Ack:
+        return pb.Ack(error="lanes are opened on a rank's lane port, not on its server")
 
     async def Status(self, req: pb.StatusRequest, cntl: Controller) -> pb.StatusResponse:
         g = self.group

@@ -1,0 +1,519 @@
+"""Lanes: one connection per pair of ranks, read and written by blocking threads, for the
+exchanges whose data is large and whose order every rank knows (all_to_all).
+
+Why: carried by calls on the group's event loop, an all_to_all at world 4 costs each rank
+12 call ends (an announcement and a piece to each of 3 peers, the same from them) and their
+socket events, about 2.5 ms of interpreter per exchange beyond what the bytes cost
+(docs/training.md). On a lane the data goes from the tensor to the socket and from the socket
+into the tensor with one small header per message, in threads that hold no GIL while the
+kernel copies: what a bare `sendall` / `recv_into` exchange costs.
+
+On the wire, brpc's own protocols (what brpc's StreamCreate does on a connection of its own):
+1. The lower rank connects to the higher rank's lane port and sends a baidu_std request for
+   `Collective.Lane`: a LaneRequest (group id, its rank, the rank it wants) with
+   stream_settings offering its stream (id: its rank + 1; no feedback).
+2. The higher rank answers with a baidu_std response whose stream_settings give its stream
+   (id: its rank + 1) and an empty Ack; or refuses (wrong group, rank, a lane already open)
+   with an error and closes the connection.
+3. A message is then one or more STRM DATA frames, has_continuation on all but the last. The
+   first frame's payload begins with a descriptor (DESCRIPTOR: the exchange's number, the
+   elements, the bytes, the dtype's name); the rest is the tensor's bytes, which the kernel
+   writes straight into the receiver's tensor.
+Messages on a lane arrive in the order sent, so the n-th message from rank i to rank j is the
+n-th exchange both run; a descriptor that names another exchange, dtype or size is refused.
+
+Everything a peer sends is checked before it is used: a header, meta or descriptor that is
+not what is expected, a frame longer than what is left of the message, a CLOSE or RST, or
+nothing within the exchange's deadline, fails the exchange with a CollectiveError naming the
+peer (logged), and the caller breaks the group: a lane whose framing is lost is not reused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from .._fast.meta import RpcMeta, decode_meta, pack_head
+from .._proto import collective_pb2 as pb
+from ..errors import RemoteProtocolError
+from ..protocol import streaming
+from .errors import CollectiveError, CollectiveTimeout
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "aiobrpc.collective.Collective"
+METHOD = "Lane"
+HEADER = 12
+HANDSHAKE_MAX = 4096  # the most bytes of a handshake frame's body a lane port reads
+MAX_FRAME_META = 64   # a DATA frame's StreamFrameMeta is at most 4 + 2 * 11 bytes
+FRAME_BYTES = 1 << 30  # the most payload one DATA frame carries (body_size is 32 bits)
+MAX_DTYPE_NAME = 64
+_DESC = struct.Struct("<QqQB")  # exchange number, elements, bytes, dtype name's length
+DESCRIPTOR = _DESC.size + MAX_DTYPE_NAME  # 89 bytes, the name zero-padded
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class LaneError(RemoteProtocolError):
+    """What a peer sent on a lane is not what the protocol allows."""
+
+
+# -- sans-IO: what goes on the wire and its checks (fuzz/lanes.py feeds these) ----------------
+
+def stream_id(rank: int) -> int:
+    return rank + 1
+
+
+def open_request(group: str, src: int, dst: int) -> bytes:
+    """The baidu_std request frame that opens the lane from `src` to `dst`."""
+    body = pb.LaneRequest(group=group, src=src, dst=dst).SerializeToString()
+    meta = RpcMeta()
+    meta.has_request = True
+    meta.service_name = SERVICE_NAME
+    meta.method_name = METHOD
+    meta.correlation_id = 1
+    meta.stream_settings = streaming.encode_settings(stream_id(src), False, True)
+    return pack_head(b"PRPC", meta, len(body)) + body
+
+
+def open_response(dst: int, error: str = "") -> bytes:
+    """The answer of `dst`'s lane port: its stream, or `error` (code EREQUEST) and no stream."""
+    meta = RpcMeta()
+    meta.has_response = True
+    meta.correlation_id = 1
+    if error:
+        meta.error_code = 1003  # EREQUEST
+        meta.error_text = error
+        body = pb.Ack(error=error).SerializeToString()
+    else:
+        meta.stream_settings = streaming.encode_settings(stream_id(dst), False, True)
+        body = b""
+    return pack_head(b"PRPC", meta, len(body)) + body
+
+
+def parse_header(head: bytes, magic: bytes, body_max: int) -> tuple[int, int]:
+    """(body_size, meta_size) of a 12-byte header that must begin with `magic`."""
+    if len(head) != HEADER:
+        raise LaneError(f"a header of {len(head)} bytes, not {HEADER}")
+    if head[:4] != magic:
+        raise LaneError(f"a frame begins with {bytes(head[:4])!r}, not {magic!r}")
+    body, meta = int.from_bytes(head[4:8], "big"), int.from_bytes(head[8:12], "big")
+    if meta > body:
+        raise LaneError(f"meta_size {meta} is larger than body_size {body}")
+    if body > body_max:
+        raise LaneError(f"a frame of {body} bytes, more than the {body_max} allowed here")
+    return body, meta
+
+
+def _decode(meta_bytes: bytes) -> RpcMeta:
+    try:
+        return decode_meta(meta_bytes)
+    except RemoteProtocolError as e:
+        raise LaneError(str(e)) from None
+
+
+def _settings(raw: bytes) -> int:
+    try:
+        return streaming.decode_settings(raw).stream_id
+    except RemoteProtocolError as e:
+        raise LaneError(str(e)) from None
+
+
+def parse_open_request(meta_bytes: bytes, body: bytes) -> tuple[str, int, int, int]:
+    """(group, src, dst, src's stream id) of a lane request's meta and body."""
+    meta = _decode(meta_bytes)
+    if not meta.has_request or (meta.service_name, meta.method_name) != (SERVICE_NAME, METHOD):
+        raise LaneError(f"the lane port takes only {SERVICE_NAME}.{METHOD}, got "
+                        f"{meta.service_name!r}.{meta.method_name!r}")
+    if meta.stream_settings is None:
+        raise LaneError("a lane request without stream_settings")
+    sid = _settings(meta.stream_settings)
+    if meta.attachment_size or meta.compress_type:
+        raise LaneError("a lane request with an attachment or compression")
+    try:
+        req = pb.LaneRequest.FromString(body)
+    except Exception as e:  # DecodeError, or a required field missing
+        raise LaneError(f"an unparsable LaneRequest ({e})") from None
+    if not req.IsInitialized():
+        raise LaneError("a LaneRequest without its required fields")
+    return req.group, req.src, req.dst, sid
+
+
+def parse_open_response(meta_bytes: bytes, body: bytes) -> int:
+    """The accepting rank's stream id, or LaneError with its refusal."""
+    meta = _decode(meta_bytes)
+    if not meta.has_response or meta.correlation_id != 1:
+        raise LaneError("the lane port answered with something else than the lane's response")
+    if meta.error_code:
+        raise LaneError(f"the lane was refused: [E{meta.error_code}]{meta.error_text}")
+    if meta.stream_settings is None:
+        raise LaneError("the lane's response has no stream_settings")
+    return _settings(meta.stream_settings)
+
+
+def check_data_meta(meta_bytes: bytes, mine: int, peer: int) -> bool:
+    """A DATA frame's StreamFrameMeta addressed from `peer`'s stream to `mine`: its
+    has_continuation. Anything else (CLOSE, RST, FEEDBACK, other streams) is a LaneError."""
+    try:
+        fm = streaming.decode_frame_meta(meta_bytes)
+    except RemoteProtocolError as e:
+        raise LaneError(str(e)) from None
+    if fm.frame_type in (streaming.CLOSE, streaming.RST):
+        raise LaneError(f"the peer closed its stream ({streaming.FRAME_TYPE_NAMES[fm.frame_type]})")
+    if fm.frame_type != streaming.DATA:
+        raise LaneError(f"a {streaming.FRAME_TYPE_NAMES.get(fm.frame_type, fm.frame_type)} frame, "
+                        "where only DATA may come")
+    if fm.stream_id != mine or fm.source_stream_id != peer:
+        raise LaneError(f"a frame from stream {fm.source_stream_id} to {fm.stream_id}, not from "
+                        f"{peer} to {mine}")
+    return fm.has_continuation
+
+
+def pack_descriptor(seq: int, numel: int, nbytes: int, dtype: str) -> bytes:
+    name = dtype.encode()
+    if len(name) > MAX_DTYPE_NAME:
+        raise ValueError(f"dtype name {dtype!r} is longer than {MAX_DTYPE_NAME} bytes")
+    return _DESC.pack(seq, numel, nbytes, len(name)) + name.ljust(MAX_DTYPE_NAME, b"\0")
+
+
+def parse_descriptor(raw: bytes) -> tuple[int, int, int, str]:
+    """(exchange number, elements, bytes, dtype name) of a message's DESCRIPTOR bytes."""
+    if len(raw) != DESCRIPTOR:
+        raise LaneError(f"a descriptor of {len(raw)} bytes, not {DESCRIPTOR}")
+    seq, numel, nbytes, n = _DESC.unpack_from(raw)
+    if n > MAX_DTYPE_NAME:
+        raise LaneError(f"a dtype name of {n} bytes, more than {MAX_DTYPE_NAME}")
+    try:
+        name = bytes(raw[_DESC.size:_DESC.size + n]).decode("ascii")
+    except UnicodeDecodeError:
+        raise LaneError("a dtype name that is not ASCII") from None
+    return seq, numel, nbytes, name
+
+
+def frame_head(mine: int, peer: int, payload: int, continues: bool) -> bytes:
+    """The header and meta of a DATA frame of `payload` bytes from stream `mine` to `peer`."""
+    meta = streaming.data_meta(peer, mine, continues)
+    n = len(meta)
+    return b"STRM" + (n + payload).to_bytes(4, "big") + n.to_bytes(4, "big") + meta
+
+
+# -- a lane ------------------------------------------------------------------------------------
+
+class Lane:
+    """One end of the lane to `peer`: its socket and both streams' ids."""
+
+    __slots__ = ("peer", "address", "sock", "mine", "theirs")
+
+    def __init__(self, peer: int, address: str, sock: socket.socket, mine: int, theirs: int) -> None:
+        self.peer = peer
+        self.address = address
+        self.sock = sock
+        self.mine = mine
+        self.theirs = theirs
+
+
+class Deadline:
+    __slots__ = ("at", "what")
+
+    def __init__(self, at: float, what: str) -> None:
+        self.at = at
+        self.what = what
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+class Lanes:
+    """This rank's lanes to every other rank of a group, opened once (`open`), then used by one
+    thread at a time for an exchange (`all_to_all`), a second thread sending while it receives.
+
+    `abort()` (from any thread) shuts every lane down, so a thread blocked on one returns at once.
+    """
+
+    def __init__(self, rank: int, world_size: int, host: str) -> None:
+        self.group_id = ""  # known once the group's rendezvous gives it, before `open`
+        self.rank = rank
+        self.world_size = world_size
+        self._lanes: list[Lane | None] = [None] * world_size
+        self._listener: socket.socket | None = socket.create_server((host, 0))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._sender: concurrent.futures.ThreadPoolExecutor | None = None
+        self._aborted: CollectiveError | None = None
+        self._lock = threading.Lock()
+        self.bytes_received = 0  # straight into the receiver's tensors
+
+    # -- opening -------------------------------------------------------------------------------
+    def open(self, addresses: list[str], timeout: float) -> None:
+        """Open the lane to every other rank (blocking): connect to the higher ranks' lane
+        ports while accepting the lower ranks' on ours; then close our port."""
+        deadline = Deadline(time.monotonic() + timeout, "opening the lanes")
+        failure: list[BaseException] = []
+        acceptor = None
+        if self.rank > 0:
+            acceptor = threading.Thread(target=self._accept_all, args=(addresses, deadline, failure),
+                                        name=f"aiobrpc-lanes-accept-rank{self.rank}", daemon=True)
+            acceptor.start()
+        try:
+            for peer in range(self.rank + 1, self.world_size):
+                self._connect(peer, addresses[peer], deadline)
+        except BaseException:
+            self.abort(CollectiveError(f"rank {self.rank} could not open its lanes"))
+            raise
+        finally:
+            if acceptor is not None:
+                acceptor.join()
+            self._close_listener()
+        if failure:
+            self.abort(CollectiveError(f"rank {self.rank} could not open its lanes"))
+            raise failure[0]
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, f"aiobrpc-lanes-send-rank{self.rank}")
+
+    def _connect(self, peer: int, address: str, deadline: Deadline) -> None:
+        host, _, port = address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(0.001, deadline.left()))
+        except OSError as e:
+            raise _lost(peer, address, f"its lane port refused or did not answer ({e})", deadline) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _settimeout(sock, deadline, peer, address)
+            sock.sendall(open_request(self.group_id, self.rank, peer))
+            body_size, meta_size = parse_header(_recv_exact(sock, HEADER, deadline, peer, address),
+                                                b"PRPC", HANDSHAKE_MAX)
+            body = _recv_exact(sock, body_size, deadline, peer, address)
+            theirs = parse_open_response(body[:meta_size], body[meta_size:])
+            if theirs != stream_id(peer):
+                raise LaneError(f"rank {peer} answered with stream {theirs}, not {stream_id(peer)}")
+        except LaneError as e:
+            sock.close()
+            log.warning("lane to rank %d (%s): %s", peer, address, e)
+            raise CollectiveError(f"rank {self.rank} could not open its lane to rank {peer} "
+                                  f"({address}): {e}", (peer,)) from None
+        except BaseException:
+            sock.close()
+            raise
+        self._lanes[peer] = Lane(peer, address, sock, stream_id(self.rank), theirs)
+
+    def _accept_all(self, addresses: list[str], deadline: Deadline, failure: list) -> None:
+        waiting = set(range(self.rank))
+        try:
+            while waiting:
+                left = deadline.left()
+                if left <= 0 or self._aborted is not None:
+                    ranks = sorted(waiting)
+                    raise CollectiveTimeout(f"rank {self.rank}: ranks {ranks} did not open their lanes "
+                                            f"within the group's timeout", tuple(ranks))
+                self._listener.settimeout(min(left, 0.5))
+                try:
+                    sock, peer_addr = self._listener.accept()
+                except TimeoutError:
+                    continue
+                self._admit(sock, peer_addr, waiting, addresses, deadline)
+        except BaseException as e:
+            failure.append(e)
+
+    def _admit(self, sock: socket.socket, peer_addr: Any, waiting: set, addresses: list[str],
+               deadline: Deadline) -> None:
+        """Read one connection's lane request: keep it as the lane of the rank it names, or
+        refuse it (logged) and close it; the port goes on waiting for the ranks' lanes."""
+        who = f"{peer_addr[0]}:{peer_addr[1]}" if isinstance(peer_addr, tuple) else str(peer_addr)
+        hand = Deadline(min(deadline.at, time.monotonic() + HANDSHAKE_TIMEOUT_S), "a lane's handshake")
+        try:
+            with contextlib.suppress(OSError):  # a socket that is not TCP (the fuzz harness's pair)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _settimeout(sock, hand, -1, who)
+            body_size, meta_size = parse_header(_recv_exact(sock, HEADER, hand, -1, who), b"PRPC",
+                                                HANDSHAKE_MAX)
+            body = _recv_exact(sock, body_size, hand, -1, who)
+            group, src, dst, theirs = parse_open_request(body[:meta_size], body[meta_size:])
+            if group != self.group_id:
+                raise LaneError(f"a lane request for group {group[:64]!r}, not this group")
+            if dst != self.rank:
+                raise LaneError(f"a lane request for rank {dst}, not {self.rank}")
+            if src not in waiting:
+                raise LaneError(f"a lane request from rank {src}, which is not a lower rank still "
+                                "to open its lane")
+            if theirs != stream_id(src):
+                raise LaneError(f"rank {src} offered stream {theirs}, not {stream_id(src)}")
+            sock.sendall(open_response(self.rank))
+        except (LaneError, CollectiveError, OSError) as e:
+            log.warning("lane port of rank %d: refused a connection from %s: %s", self.rank, who, e)
+            if isinstance(e, LaneError):
+                try:
+                    sock.settimeout(0.1)
+                    sock.sendall(open_response(self.rank, str(e)[:200]))
+                except OSError:
+                    pass
+            sock.close()
+            return
+        waiting.discard(src)
+        self._lanes[src] = Lane(src, addresses[src], sock, stream_id(self.rank), theirs)
+
+    def _close_listener(self) -> None:
+        with self._lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+
+    # -- exchanging ----------------------------------------------------------------------------
+    def all_to_all(self, seq: int, outs: list, ins: list, deadline: Deadline) -> None:
+        """Exchange #seq (blocking): `ins[j]` to rank j and `outs[i]` from rank i, each a
+        (dtype name, numel, uint8 view) triple; this rank's own part is copied here. Staggered:
+        at step k this rank sends to rank + k while receiving from rank - k."""
+        me, world = self.rank, self.world_size
+        outs[me][2][:] = ins[me][2]
+        for k in range(1, world):
+            dst, src = (me + k) % world, (me - k) % world
+            sending = self._sender.submit(self._send, self._lane(dst), seq, ins[dst], deadline)
+            try:
+                self._recv(self._lane(src), seq, outs[src], deadline)
+            except BaseException as e:
+                self.abort(e if isinstance(e, CollectiveError) else CollectiveError(repr(e)))
+                concurrent.futures.wait([sending])
+                raise
+            sending.result()
+
+    def _lane(self, peer: int) -> Lane:
+        if self._aborted is not None:
+            raise self._aborted
+        lane = self._lanes[peer]
+        if lane is None:
+            raise CollectiveError(f"rank {self.rank} has no lane to rank {peer}", (peer,))
+        return lane
+
+    def _send(self, lane: Lane, seq: int, part: tuple, deadline: Deadline) -> None:
+        dtype, numel, buf = part
+        data = memoryview(buf).cast("B") if len(buf) else memoryview(b"")
+        total = len(data)
+        first = min(total, FRAME_BYTES - DESCRIPTOR)
+        head = frame_head(lane.mine, lane.theirs, DESCRIPTOR + first, first < total)
+        head += pack_descriptor(seq, numel, total, dtype)
+        try:
+            _send_frame(lane.sock, head, data[:first], deadline)
+            at = first
+            while at < total:
+                n = min(FRAME_BYTES, total - at)
+                _send_frame(lane.sock, frame_head(lane.mine, lane.theirs, n, at + n < total),
+                            data[at:at + n], deadline)
+                at += n
+        except OSError as e:
+            raise self._gone(lane, e, deadline) from None
+
+    def _recv(self, lane: Lane, seq: int, part: tuple, deadline: Deadline) -> None:
+        dtype, numel, buf = part
+        view = memoryview(buf).cast("B") if len(buf) else memoryview(bytearray())
+        want, got, first = len(view), 0, True
+        sock, peer, addr = lane.sock, lane.peer, lane.address
+        try:
+            while True:
+                body, meta_size = parse_header(_recv_exact(sock, HEADER, deadline, peer, addr), b"STRM",
+                                               MAX_FRAME_META + DESCRIPTOR + FRAME_BYTES)
+                extra = DESCRIPTOR if first else 0
+                if meta_size > MAX_FRAME_META or body - meta_size < extra:
+                    raise LaneError(f"a DATA frame of {body} bytes with a {meta_size}-byte meta")
+                raw = _recv_exact(sock, meta_size + extra, deadline, peer, addr)
+                continues = check_data_meta(raw[:meta_size], lane.mine, lane.theirs)
+                if first:
+                    s, n, nbytes, name = parse_descriptor(raw[meta_size:])
+                    if s != seq or name != dtype or n != numel or nbytes != want:
+                        raise CollectiveError(
+                            f"all_to_all #{seq}: rank {peer} sent exchange #{s}'s {n} {name} "
+                            f"({nbytes} bytes) where rank {self.rank} receives {numel} {dtype} "
+                            f"({want} bytes): every rank must call the same collectives with "
+                            "matching sizes")  # no rank is dead or hung: every rank is told
+                    first = False
+                payload = body - meta_size - extra
+                if payload > want - got:
+                    raise LaneError(f"{payload} more bytes where {want - got} are left of the message")
+                _recv_exact_into(sock, view[got:got + payload], deadline, peer, addr)
+                got += payload
+                if not continues:
+                    break
+            if got != want:
+                raise LaneError(f"the message ended after {got} of its {want} bytes")
+            self.bytes_received += got
+        except LaneError as e:
+            log.warning("lane from rank %d (%s) to rank %d: %s", peer, addr, self.rank, e)
+            raise CollectiveError(f"all_to_all #{seq}: rank {peer} ({addr}) broke the lane protocol: {e}",
+                                  (peer,)) from None
+        except OSError as e:
+            raise self._gone(lane, e, deadline) from None
+
+    def _gone(self, lane: Lane, e: OSError, deadline: Deadline) -> CollectiveError:
+        if self._aborted is not None:
+            return self._aborted
+        if isinstance(e, TimeoutError) or deadline.left() <= 0:
+            return CollectiveTimeout(f"{deadline.what} timed out on rank {self.rank} waiting for rank "
+                                     f"{lane.peer} ({lane.address})", (lane.peer,))
+        return CollectiveError(f"{deadline.what} failed on rank {self.rank}: the lane to rank {lane.peer} "
+                               f"({lane.address}) was lost: {e}", (lane.peer,))
+
+    # -- ending --------------------------------------------------------------------------------
+    def abort(self, err: CollectiveError) -> None:
+        """Fail what runs and every later exchange with `err`: every lane is shut down."""
+        with self._lock:
+            if self._aborted is None:
+                self._aborted = err
+        for lane in self._lanes:
+            if lane is not None:
+                try:
+                    lane.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.abort(CollectiveError(f"the group was closed on rank {self.rank}"))
+        self._close_listener()
+        if self._sender is not None:
+            self._sender.shutdown(wait=False)
+        for lane in self._lanes:
+            if lane is not None:
+                lane.sock.close()
+
+
+def _lost(peer: int, address: str, why: str, deadline: Deadline) -> CollectiveError:
+    if deadline.left() <= 0:
+        return CollectiveTimeout(f"{deadline.what}: rank {peer} ({address}): {why}", (peer,))
+    return CollectiveError(f"{deadline.what}: rank {peer} ({address}): {why}", (peer,))
+
+
+def _settimeout(sock: socket.socket, deadline: Deadline, peer: int, address: str) -> None:
+    left = deadline.left()
+    if left <= 0:
+        raise TimeoutError(f"{deadline.what}: no time left")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: Deadline, peer: int, address: str) -> bytes:
+    buf = bytearray(n)
+    _recv_exact_into(sock, memoryview(buf), deadline, peer, address)
+    return bytes(buf)
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: Deadline, peer: int,
+                     address: str) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        _settimeout(sock, deadline, peer, address)
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionResetError("the peer closed the connection")
+        got += k
+
+
+def _send_frame(sock: socket.socket, head: bytes, data: memoryview, deadline: Deadline) -> None:
+    """head then data, in one sendmsg when the kernel takes them whole (the usual case for
+    small messages); the rest with sendall, whose timeout bounds the whole of it."""
+    _settimeout(sock, deadline, -1, "")
+    sent = sock.sendmsg([head, data]) if len(data) else sock.send(head)
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(data):
+        _settimeout(sock, deadline, -1, "")
+        sock.sendall(data[sent - len(head):])
