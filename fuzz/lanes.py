@@ -3,7 +3,7 @@
 Each input is what a peer writes on one end of a socket pair, after which it closes its
 writing side, played against one of three readers (the input's first byte chooses):
 - the lane port's handshake (`Lanes._admit`, rank 1 of 2 waiting for rank 0's request);
-- a lane's message (`Lanes._recv`, exchange #5, a float32 or uint8 tensor of 0 to 70 elements
+- a lane's message (`Lanes.recv_message`, part 0 of exchange #5, a float32 or uint8 tensor of 0 to 70 elements
   the next bytes choose), received into a view with guard bytes on both sides;
 - the opening rank's reading of the answer (`parse_header` and `parse_open_response`).
 
@@ -95,7 +95,7 @@ def message(data: bytes) -> str:
     lanes._lanes[1] = lane
     try:
         try:
-            lanes._recv(lane, 5, (dtype, numel, buf), L.Deadline(time.monotonic() + 1.0, "fuzz #5"))
+            lanes.recv_message(lane, 5, 0, (dtype, numel, buf), L.Deadline(time.monotonic() + 1.0, "fuzz #5"))
             outcome = "filled"
         except CollectiveError as e:
             if e.ranks not in ((1,), ()) or "rank 1" not in str(e):
@@ -143,7 +143,7 @@ def seeds() -> dict[str, bytes]:
     from aiobrpc.protocol import streaming
 
     req = L.open_request(GROUP, 0, 1)
-    desc = L.pack_descriptor(5, 3, 12, "float32")
+    desc = L.pack_descriptor(5, 0, 3, 12, "float32")
     data = np.arange(3, dtype=np.float32).tobytes()
     whole = L.frame_head(2, 1, L.DESCRIPTOR + 12, False) + desc + data
     split = (L.frame_head(2, 1, L.DESCRIPTOR + 4, True) + desc + data[:4]
@@ -158,7 +158,7 @@ def seeds() -> dict[str, bytes]:
         "message_float32_continued": b"\1\1\3" + split,
         "message_wrong_size": b"\1\1\4" + whole,
         "message_uint8_empty": b"\1\0\0" + L.frame_head(2, 1, L.DESCRIPTOR, False)
-        + L.pack_descriptor(5, 0, 0, "uint8"),
+        + L.pack_descriptor(5, 0, 0, 0, "uint8"),
         "message_close": b"\1\1\3" + streaming.close_frame(1, 2),
         "message_feedback": b"\1\1\3" + streaming.feedback_frame(1, 2, 100),
         "answer_accept": b"\2" + L.open_response(1),

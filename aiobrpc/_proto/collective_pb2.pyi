@@ -229,20 +229,33 @@ class StatusResponse(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     OPS_STARTED_FIELD_NUMBER: _builtins.int
     OPS_FINISHED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    TIMED_OUT_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     ops_started: _builtins.int
     """collectives this rank has begun"""
     ops_finished: _builtins.int
+    error: _builtins.str
+    """Why the group broke on this rank, if it did (as in Ack): only to a caller naming the group.
+    A rank whose lane to this one closed asks, to tell this rank's abort from its death.
+    """
+    timed_out: _builtins.bool
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         rank: _builtins.int | None = ...,
         ops_started: _builtins.int | None = ...,
         ops_finished: _builtins.int | None = ...,
+        error: _builtins.str | None = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        timed_out: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ops_finished", b"ops_finished", "ops_started", b"ops_started", "rank", b"rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "ops_finished", b"ops_finished", "ops_started", b"ops_started", "rank", b"rank", "timed_out", b"timed_out"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops_finished", b"ops_finished", "ops_started", b"ops_started", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "ops_finished", b"ops_finished", "ops_started", b"ops_started", "rank", b"rank", "ranks", b"ranks", "timed_out", b"timed_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

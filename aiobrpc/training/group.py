@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -44,7 +45,7 @@ from . import ops
 from . import p2p as p2p_mod
 from .errors import CollectiveError, CollectiveTimeout
 from .exchange import all_to_all, gather, scatter
-from .lanes import Deadline, Lanes
+from .lanes import Deadline, LaneLost, Lanes
 from .reduce import ReduceOp, reduce_op
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ CONTROL_TIMEOUT_S = 2.0
 CLOSE_DRAIN_S = 1.0
 AUTO_THREAD_BYTES = 4 << 20
 NEVER = 1 << 62  # a thread_bytes no segment reaches
+LANE_SLACK_S = 2.0  # the lanes' own deadline is this much after the diagnosis's timeout
 
 
 class _Flight:
@@ -115,9 +117,10 @@ class Group:
         p2p_buffer_bytes: The most bytes of such held messages per peer.
         p2p_max_messages: The most messages per peer held or waiting with no recv posted;
             one more breaks the group.
-        lanes: Carry all_to_all on lanes (lanes.py): a connection per pair of ranks read and
-            written by blocking threads, opened when the group starts. False: as messages
-            through the group's calls, like gather and scatter.
+        lanes: Carry the ring collectives and all_to_all on lanes (lanes.py): a connection per
+            pair of ranks read and written by blocking threads, opened when the group starts.
+            False: through the group's calls (Segment, Send), as send/recv, gather and scatter
+            always are.
 
     >>> group = await Group.create(FileStore("/tmp/rdv"), rank, 4)  # doctest: +SKIP
     >>> await group.all_reduce(grads)            # summed over the 4 ranks, in place  # doctest: +SKIP
@@ -163,7 +166,7 @@ class Group:
         self.addresses: list[str] = []
         self.ops_started = 0
         self.ops_finished = 0
-        self.segments_placed = 0  # received by the kernel straight into the tensor (no copy)
+        self._segments_placed = 0
         self._next_seq = 1
         self._tail: asyncio.Future | None = None
         self._current: _Flight | None = None
@@ -219,9 +222,12 @@ class Group:
                 self._lanes = lanes
         except BaseException:
             if lanes is not None:
-                lanes.close()
-            if self._lane_pool is not None:
-                self._lane_pool.shutdown(wait=False)
+                lanes.abort(CollectiveError(f"rank {self.rank}'s group did not start"))
+                if self._lane_pool is None:
+                    lanes.close()
+                else:  # the opening thread may still be in a call (a connect): close after it, off the loop
+                    pool = self._lane_pool
+                    threading.Thread(target=lambda: (pool.shutdown(wait=True), lanes.close()), daemon=True).start()
             await self._server.stop()
             await self._server.join(timeout=1)
             raise
@@ -250,10 +256,8 @@ class Group:
         await asyncio.gather(*self._background, return_exceptions=True)
         for ch in self._channels:
             await ch.close()
-        if self._lanes is not None:
-            self._lanes.close()
-        if self._lane_pool is not None:
-            self._lane_pool.shutdown(wait=False)
+        if self._lanes is not None:  # _fail above shut the lanes down: their threads return at once
+            await self._loop.run_in_executor(None, self._close_lanes)
         if self._reducer is not None:
             self._reducer.shutdown(wait=False)
         if self._server is not None:
@@ -265,11 +269,20 @@ class Group:
             await self._server.stop()
             await self._server.join(timeout=1 if healthy else 0.1)
 
+    def _close_lanes(self) -> None:
+        self._lane_pool.shutdown(wait=True)
+        self._lanes.close()
+
     async def __aenter__(self) -> Group:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    @property
+    def segments_placed(self) -> int:
+        """Ring segments received by the kernel straight into the tensor (no copy)."""
+        return self._segments_placed + (self._lanes.segments_placed if self._lanes is not None else 0)
 
     @property
     def broken(self) -> CollectiveError | None:
@@ -366,16 +379,61 @@ class Group:
             raise ValueError(f"all_to_all output: {i[me][1]} {i[me][0]} cannot go into {o[me][1]} {o[me][0]}")
         parts_out = [(d, n, buf) for d, n, _, buf in o]
         parts_in = [(d, n, buf) for d, n, _, buf in i]
-        deadline = Deadline(time.monotonic() + self.timeout, f"all_to_all #{seq}")
+        await self._on_lanes(seq, "all_to_all", self._lanes.all_to_all, parts_out, parts_in)
+
+    async def _on_lanes(self, seq: int, name: str, fn, *args: Any) -> None:
+        """Run exchange #seq's `fn(seq, *args, deadline)` on the lane thread. Shortly before the
+        timeout every rank is asked where it is, and the exchange fails at the timeout naming
+        the ranks that did not answer or had not started it (the lanes' own deadline, a little
+        later, only ends it should that fail)."""
+        what = f"{name} #{seq}"
+        deadline = Deadline(time.monotonic() + self.timeout + LANE_SLACK_S, what)
+        ended = [False]
+        timer = self._loop.call_later(max(0.0, self.timeout - _probe_time(self.timeout)),
+                                      lambda: self._spawn(self._diagnose_lanes(seq, what, ended)))
         try:
-            await self._loop.run_in_executor(self._lane_pool, self._lanes.all_to_all, seq, parts_out,
-                                             parts_in, deadline)
+            await self._loop.run_in_executor(self._lane_pool, fn, seq, *args, deadline)
+        except LaneLost as e:
+            self._fail(await self._why_lost(e))
+            raise self._broken from None
         except CollectiveError as e:
             self._fail(e)
             raise self._broken from None
         except asyncio.CancelledError:
-            self._fail(CollectiveError(f"all_to_all #{seq} was cancelled on rank {self.rank}", (self.rank,)))
+            self._fail(CollectiveError(f"{what} was cancelled on rank {self.rank}", (self.rank,)))
             raise
+        except Exception as e:  # a defect, not a peer: still every rank must stop waiting
+            self._fail(CollectiveError(f"{what} failed on rank {self.rank}: {e!r}", (self.rank,)))
+            raise self._broken from e
+        finally:
+            ended[0] = True
+            timer.cancel()
+
+    async def _why_lost(self, lost: LaneLost) -> CollectiveError:
+        """A lane closed by its peer: the peer died, or its group broke and it shut its lanes
+        (before its Abort, if any, reached this rank). Its Status tells which."""
+        end = self._loop.time() + CONTROL_TIMEOUT_S
+        while self._broken is None:  # an Abort or this rank's own diagnosis may come meanwhile
+            answer = await self._status_of(lost.peer)
+            if isinstance(answer, RpcError):
+                return lost
+            if answer.error:
+                return _error(f"{answer.error} (reported to rank {self.rank} by rank {lost.peer})",
+                              answer.ranks, answer.timed_out)
+            if self._loop.time() > end:
+                return CollectiveError(f"{lost} (rank {lost.peer} still answers: it closed the lane "
+                                       "and did not say why)", (lost.peer,))
+            await asyncio.sleep(0.02)
+        return self._broken
+
+    async def _diagnose_lanes(self, seq: int, what: str, ended: list) -> None:
+        blamed, notes = await self._blame(seq)
+        if ended[0]:
+            return
+        if not notes:
+            notes.append("every rank answers and has started it: a rank is too slow or stuck")
+        self._fail(CollectiveTimeout(f"{what} timed out after {self.timeout:g} s on rank {self.rank}: "
+                                     + "; ".join(notes), tuple(blamed)), tell_peers=False)
 
     def _check_root(self, root: Any) -> None:
         if not isinstance(root, int) or not 0 <= root < self.world_size:
@@ -409,8 +467,9 @@ class Group:
                 waiter.set_result(CollectiveError(
                     f"collective #{seq} differs between ranks: rank {self.rank} runs {name}, a ring "
                     f"collective came; every rank must call the same collectives in the same order"))
-            await run(seq)
+            out = await run(seq)
             self.ops_finished = seq
+            return out
         finally:
             self.p2p.forget_collective(seq)
             done.set_result(None)
@@ -431,6 +490,11 @@ class Group:
             raise RuntimeError("the group is not started: make it with `await Group.create(...)`")
         if self._broken is not None:
             raise self._broken
+        if self._lanes is not None:
+            async def on_lanes(seq: int) -> Any:
+                await self._on_lanes(seq, op.name, self._lanes.ring, op)
+                return result() if result is not None else None
+            return self._enqueue_exchange(op.name, on_lanes)
         segment = min(op.layout.segment_elems, op.numel) * np.dtype(ops.wire_dtype(op.code)).itemsize
         flight = _Flight(self, op, self._next_seq, segment >= self.thread_bytes and op.world > 1)
         self._next_seq += 1
@@ -602,6 +666,22 @@ class Group:
 
     async def _diagnose(self, flight: _Flight) -> None:
         """Shortly before the timeout: ask every rank where it is, then fail naming the culprits."""
+        blamed, notes = await self._blame(flight.seq)
+        if flight.future.done():
+            return
+        if not notes:
+            left = (self.rank - 1) % self.world_size
+            notes.append(f"every rank answers and has started it: rank {left} or a rank before it in "
+                         f"the ring is too slow or stuck")
+        op = flight.op
+        self._fail(CollectiveTimeout(
+            f"{flight.describe()} timed out after {self.timeout:g} s on rank {self.rank} "
+            f"({op.received} of {op.expected} segments received): " + "; ".join(notes), tuple(blamed)),
+            tell_peers=False)
+
+    async def _blame(self, seq: int) -> tuple[list[int], list[str]]:
+        """Ask every other rank where it is: the ranks that did not answer or have not started
+        collective #seq, and a note on each."""
         probe = _probe_time(self.timeout)
         peers = [r for r in range(self.world_size) if r != self.rank]
 
@@ -613,25 +693,15 @@ class Group:
                 return e
 
         answers = await asyncio.gather(*(status(r) for r in peers))
-        if flight.future.done():
-            return
         blamed, notes = [], []
         for r, a in zip(peers, answers):
             if isinstance(a, RpcError):
                 blamed.append(r)
                 notes.append(f"rank {r} ({self.addresses[r]}) did not answer: [E{a.code}]{a.text}")
-            elif a.ops_started < flight.seq:
+            elif a.ops_started < seq:
                 blamed.append(r)
                 notes.append(f"rank {r} has not started it (it has started {a.ops_started} collectives)")
-        if not notes:
-            left = (self.rank - 1) % self.world_size
-            notes.append(f"every rank answers and has started it: rank {left} or a rank before it in "
-                         f"the ring is too slow or stuck")
-        op = flight.op
-        self._fail(CollectiveTimeout(
-            f"{flight.describe()} timed out after {self.timeout:g} s on rank {self.rank} "
-            f"({op.received} of {op.expected} segments received): " + "; ".join(notes), tuple(blamed)),
-            tell_peers=False)
+        return blamed, notes
 
     def _spawn(self, coro) -> None:
         task = self._loop.create_task(coro)
@@ -664,7 +734,7 @@ class _CollectiveServicer(Servicer):
             return None  # segment_received reports it
         dest = op.destination(req.step, req.segment, attachment_size)
         if dest is not None:
-            g.segments_placed += 1
+            g._segments_placed += 1
         return dest
 
     async def Segment(self, req: pb.SegmentRequest, cntl: Controller) -> pb.Ack:
@@ -690,7 +760,13 @@ class _CollectiveServicer(Servicer):
 
     async def Status(self, req: pb.StatusRequest, cntl: Controller) -> pb.StatusResponse:
         g = self.group
-        return pb.StatusResponse(rank=g.rank, ops_started=g.ops_started, ops_finished=g.ops_finished)
+        resp = pb.StatusResponse(rank=g.rank, ops_started=g.ops_started, ops_finished=g.ops_finished)
+        err = g.broken
+        if err is not None and req.group == g.id:
+            resp.error = str(err)
+            resp.ranks.extend(err.ranks)
+            resp.timed_out = isinstance(err, CollectiveTimeout)
+        return resp
 
 
 def _refusal(err: CollectiveError) -> pb.Ack:

@@ -1,5 +1,6 @@
 """Lanes: one connection per pair of ranks, read and written by blocking threads, for the
-exchanges whose data is large and whose order every rank knows (all_to_all).
+exchanges whose order every rank knows: the ring collectives (all_reduce, reduce_scatter,
+all_gather, broadcast, barrier) and all_to_all.
 
 Why: carried by calls on the group's event loop, an all_to_all at world 4 costs each rank
 12 call ends (an announcement and a piece to each of 3 peers, the same from them) and their
@@ -19,13 +20,17 @@ On the wire, brpc's own protocols (what brpc's StreamCreate does on a connection
    first frame's payload begins with a descriptor (DESCRIPTOR: the exchange's number, the
    elements, the bytes, the dtype's name); the rest is the tensor's bytes, which the kernel
    writes straight into the receiver's tensor.
-Messages on a lane arrive in the order sent, so the n-th message from rank i to rank j is the
-n-th exchange both run; a descriptor that names another exchange, dtype or size is refused.
+Messages on a lane arrive in the order sent: an exchange's messages from rank i to rank j are
+numbered (the descriptor's part: 0 for all_to_all; a ring's segments in (step, segment) order,
+which is the order its sender emits them), and a descriptor that names another exchange,
+part, dtype or size is refused.
 
 Everything a peer sends is checked before it is used: a header, meta or descriptor that is
 not what is expected, a frame longer than what is left of the message, a CLOSE or RST, or
 nothing within the exchange's deadline, fails the exchange with a CollectiveError naming the
 peer (logged), and the caller breaks the group: a lane whose framing is lost is not reused.
+A lane that closes is a LaneLost: the group asks the peer (Status) whether it died or broke
+its group and shut its lanes, and fails with the peer's own error in the second case.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import struct
 import threading
 import time
 from typing import Any
+
+import numpy as np
 
 from .._fast.meta import RpcMeta, decode_meta, pack_head
 from .._proto import collective_pb2 as pb
@@ -54,13 +61,22 @@ HANDSHAKE_MAX = 4096  # the most bytes of a handshake frame's body a lane port r
 MAX_FRAME_META = 64   # a DATA frame's StreamFrameMeta is at most 4 + 2 * 11 bytes
 FRAME_BYTES = 1 << 30  # the most payload one DATA frame carries (body_size is 32 bits)
 MAX_DTYPE_NAME = 64
-_DESC = struct.Struct("<QqQB")  # exchange number, elements, bytes, dtype name's length
-DESCRIPTOR = _DESC.size + MAX_DTYPE_NAME  # 89 bytes, the name zero-padded
+_DESC = struct.Struct("<QIqQB")  # exchange number, part, elements, bytes, dtype name's length
+DESCRIPTOR = _DESC.size + MAX_DTYPE_NAME  # 93 bytes, the name zero-padded
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class LaneError(RemoteProtocolError):
     """What a peer sent on a lane is not what the protocol allows."""
+
+
+class LaneLost(CollectiveError):
+    """The lane to `peer` closed or failed mid-exchange: the peer died, or it shut its lanes
+    because its group broke (the group asks it which)."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message, (peer,))
+        self.peer = peer
 
 
 # -- sans-IO: what goes on the wire and its checks (fuzz/lanes.py feeds these) ----------------
@@ -174,25 +190,26 @@ def check_data_meta(meta_bytes: bytes, mine: int, peer: int) -> bool:
     return fm.has_continuation
 
 
-def pack_descriptor(seq: int, numel: int, nbytes: int, dtype: str) -> bytes:
+def pack_descriptor(seq: int, part: int, numel: int, nbytes: int, dtype: str) -> bytes:
     name = dtype.encode()
     if len(name) > MAX_DTYPE_NAME:
         raise ValueError(f"dtype name {dtype!r} is longer than {MAX_DTYPE_NAME} bytes")
-    return _DESC.pack(seq, numel, nbytes, len(name)) + name.ljust(MAX_DTYPE_NAME, b"\0")
+    return _DESC.pack(seq, part, numel, nbytes, len(name)) + name.ljust(MAX_DTYPE_NAME, b"\0")
 
 
-def parse_descriptor(raw: bytes) -> tuple[int, int, int, str]:
-    """(exchange number, elements, bytes, dtype name) of a message's DESCRIPTOR bytes."""
+def parse_descriptor(raw: bytes) -> tuple[int, int, int, int, str]:
+    """(exchange number, part, elements, bytes, dtype name) of a message's DESCRIPTOR bytes.
+    `part` numbers the messages of one exchange on one lane, from 0."""
     if len(raw) != DESCRIPTOR:
         raise LaneError(f"a descriptor of {len(raw)} bytes, not {DESCRIPTOR}")
-    seq, numel, nbytes, n = _DESC.unpack_from(raw)
+    seq, part, numel, nbytes, n = _DESC.unpack_from(raw)
     if n > MAX_DTYPE_NAME:
         raise LaneError(f"a dtype name of {n} bytes, more than {MAX_DTYPE_NAME}")
     try:
         name = bytes(raw[_DESC.size:_DESC.size + n]).decode("ascii")
     except UnicodeDecodeError:
         raise LaneError("a dtype name that is not ASCII") from None
-    return seq, numel, nbytes, name
+    return seq, part, numel, nbytes, name
 
 
 def frame_head(mine: int, peer: int, payload: int, continues: bool) -> bytes:
@@ -246,6 +263,7 @@ class Lanes:
         self._aborted: CollectiveError | None = None
         self._lock = threading.Lock()
         self.bytes_received = 0  # straight into the receiver's tensors
+        self.segments_placed = 0  # ring segments received into their place in the tensor
 
     # -- opening -------------------------------------------------------------------------------
     def open(self, addresses: list[str], timeout: float) -> None:
@@ -369,16 +387,70 @@ class Lanes:
         outs[me][2][:] = ins[me][2]
         for k in range(1, world):
             dst, src = (me + k) % world, (me - k) % world
-            sending = self._sender.submit(self._send, self._lane(dst), seq, ins[dst], deadline)
+            sending = self._sender.submit(self.send_message, self.lane(dst), seq, 0, ins[dst], deadline)
             try:
-                self._recv(self._lane(src), seq, outs[src], deadline)
+                self.recv_message(self.lane(src), seq, 0, outs[src], deadline)
             except BaseException as e:
                 self.abort(e if isinstance(e, CollectiveError) else CollectiveError(repr(e)))
                 concurrent.futures.wait([sending])
                 raise
             sending.result()
 
-    def _lane(self, peer: int) -> Lane:
+    def ring(self, seq: int, op: Any, deadline: Deadline) -> None:
+        """Run ring collective `op` (ops.RingOp, started here) as exchange #seq (blocking): what
+        it emits goes to the right neighbour on the sending thread, in order; what the left
+        neighbour sends arrives in the order it emitted it, (step, segment) ascending, each
+        segment received into its place in the tensor when it is only copied there, else into
+        a scratch buffer that the op reduces from."""
+        n, me = self.world_size, self.rank
+        right, left = self.lane((me + 1) % n), self.lane((me - 1) % n)
+        emitted: list = []
+        op.emit = lambda step, segment, data: emitted.append(
+            (_dtype_name(data.dtype), data.size, data.reshape(-1).view(np.uint8)))
+        futures: list = []
+        sent = 0
+        scratch: np.ndarray | None = None
+        try:
+            op.start()
+            step = segment = part = 0
+            while True:
+                if emitted:
+                    futures.append(self.submit_sends(right, seq, sent, emitted[:], deadline))
+                    sent += len(emitted)
+                    emitted.clear()
+                if op.complete:
+                    break
+                try:
+                    a, b, dtype = op._target(step, segment)
+                except ValueError:  # past this step's last segment (or a step of none)
+                    if segment == 0 and step > 2 * n:
+                        raise CollectiveError(f"{deadline.what}: rank {me} expects no more segments "
+                                              f"but has {op.received} of {op.expected}") from None
+                    step, segment = step + 1, 0
+                    continue
+                dtype = np.dtype(dtype)
+                dest = op.destination(step, segment, (b - a) * dtype.itemsize)
+                if dest is not None:
+                    self.segments_placed += 1
+                else:
+                    if scratch is None or scratch.dtype != dtype or scratch.size < b - a:
+                        scratch = np.empty(b - a, dtype)
+                    dest = scratch[:b - a]
+                self.recv_message(left, seq, part, (_dtype_name(dtype), b - a, dest.view(np.uint8)), deadline)
+                op.receive(step, segment, dest)
+                part, segment = part + 1, segment + 1
+            for f in futures:
+                f.result()
+        except BaseException as e:
+            self.abort(e if isinstance(e, CollectiveError) else CollectiveError(repr(e)))
+            concurrent.futures.wait(futures)
+            if isinstance(e, ValueError):  # the op refused a segment its sender and we agreed on
+                raise CollectiveError(f"{deadline.what} on rank {me}: {e}") from e
+            raise
+        finally:
+            op.emit = _no_emit
+
+    def lane(self, peer: int) -> Lane:
         if self._aborted is not None:
             raise self._aborted
         lane = self._lanes[peer]
@@ -386,13 +458,25 @@ class Lanes:
             raise CollectiveError(f"rank {self.rank} has no lane to rank {peer}", (peer,))
         return lane
 
-    def _send(self, lane: Lane, seq: int, part: tuple, deadline: Deadline) -> None:
-        dtype, numel, buf = part
+    def submit_sends(self, lane: Lane, seq: int, first_part: int, messages: list, deadline: Deadline):
+        """Send `messages` (triples as in send_message), parts first_part, first_part + 1, ...,
+        on the sending thread, after what was submitted before: a future."""
+        if self._aborted is not None:
+            raise self._aborted
+        return self._sender.submit(self._send_all, lane, seq, first_part, messages, deadline)
+
+    def _send_all(self, lane: Lane, seq: int, first_part: int, messages: list, deadline: Deadline) -> None:
+        for i, message in enumerate(messages):
+            self.send_message(lane, seq, first_part + i, message, deadline)
+
+    def send_message(self, lane: Lane, seq: int, part: int, message: tuple, deadline: Deadline) -> None:
+        """Send `message`, a (dtype name, numel, uint8 view) triple, as part `part` of exchange #seq."""
+        dtype, numel, buf = message
         data = memoryview(buf).cast("B") if len(buf) else memoryview(b"")
         total = len(data)
         first = min(total, FRAME_BYTES - DESCRIPTOR)
         head = frame_head(lane.mine, lane.theirs, DESCRIPTOR + first, first < total)
-        head += pack_descriptor(seq, numel, total, dtype)
+        head += pack_descriptor(seq, part, numel, total, dtype)
         try:
             _send_frame(lane.sock, head, data[:first], deadline)
             at = first
@@ -404,8 +488,10 @@ class Lanes:
         except OSError as e:
             raise self._gone(lane, e, deadline) from None
 
-    def _recv(self, lane: Lane, seq: int, part: tuple, deadline: Deadline) -> None:
-        dtype, numel, buf = part
+    def recv_message(self, lane: Lane, seq: int, part: int, message: tuple, deadline: Deadline) -> None:
+        """Receive part `part` of exchange #seq into `message`'s view; its dtype name and element
+        count must be the sender's."""
+        dtype, numel, buf = message
         view = memoryview(buf).cast("B") if len(buf) else memoryview(bytearray())
         want, got, first = len(view), 0, True
         sock, peer, addr = lane.sock, lane.peer, lane.address
@@ -419,13 +505,13 @@ class Lanes:
                 raw = _recv_exact(sock, meta_size + extra, deadline, peer, addr)
                 continues = check_data_meta(raw[:meta_size], lane.mine, lane.theirs)
                 if first:
-                    s, n, nbytes, name = parse_descriptor(raw[meta_size:])
-                    if s != seq or name != dtype or n != numel or nbytes != want:
+                    s, p, n, nbytes, name = parse_descriptor(raw[meta_size:])
+                    if s != seq or p != part or name != dtype or n != numel or nbytes != want:
                         raise CollectiveError(
-                            f"all_to_all #{seq}: rank {peer} sent exchange #{s}'s {n} {name} "
-                            f"({nbytes} bytes) where rank {self.rank} receives {numel} {dtype} "
-                            f"({want} bytes): every rank must call the same collectives with "
-                            "matching sizes")  # no rank is dead or hung: every rank is told
+                            f"{deadline.what}: rank {peer} sent exchange #{s}'s part {p}, {n} {name} "
+                            f"({nbytes} bytes), where rank {self.rank} receives part {part}, {numel} "
+                            f"{dtype} ({want} bytes): every rank must call the same collectives "
+                            "with matching sizes")  # no rank is dead or hung: every rank is told
                     first = False
                 payload = body - meta_size - extra
                 if payload > want - got:
@@ -439,7 +525,7 @@ class Lanes:
             self.bytes_received += got
         except LaneError as e:
             log.warning("lane from rank %d (%s) to rank %d: %s", peer, addr, self.rank, e)
-            raise CollectiveError(f"all_to_all #{seq}: rank {peer} ({addr}) broke the lane protocol: {e}",
+            raise CollectiveError(f"{deadline.what}: rank {peer} ({addr}) broke the lane protocol: {e}",
                                   (peer,)) from None
         except OSError as e:
             raise self._gone(lane, e, deadline) from None
@@ -450,8 +536,8 @@ class Lanes:
         if isinstance(e, TimeoutError) or deadline.left() <= 0:
             return CollectiveTimeout(f"{deadline.what} timed out on rank {self.rank} waiting for rank "
                                      f"{lane.peer} ({lane.address})", (lane.peer,))
-        return CollectiveError(f"{deadline.what} failed on rank {self.rank}: the lane to rank {lane.peer} "
-                               f"({lane.address}) was lost: {e}", (lane.peer,))
+        return LaneLost(f"{deadline.what} failed on rank {self.rank}: the lane to rank {lane.peer} "
+                        f"({lane.address}) was lost: {e}", lane.peer)
 
     # -- ending --------------------------------------------------------------------------------
     def abort(self, err: CollectiveError) -> None:
@@ -467,13 +553,30 @@ class Lanes:
                     pass
 
     def close(self) -> None:
+        """Abort, wait for the sending thread (shut down, its socket calls return at once), then
+        close the sockets: never while a thread may still be in a call on one (its descriptor
+        could be reused meanwhile). Whoever runs exchanges waits for them before calling this."""
         self.abort(CollectiveError(f"the group was closed on rank {self.rank}"))
         self._close_listener()
         if self._sender is not None:
-            self._sender.shutdown(wait=False)
+            self._sender.shutdown(wait=True)
         for lane in self._lanes:
             if lane is not None:
                 lane.sock.close()
+
+
+def _no_emit(step: int, segment: int, data: Any) -> None:
+    raise RuntimeError("the ring collective emitted after its exchange ended")
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # numpy computes a dtype's name in Python each time; few dtypes carry rings
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
 
 
 def _lost(peer: int, address: str, why: str, deadline: Deadline) -> CollectiveError:

@@ -93,11 +93,11 @@ async def test_a_size_mismatch_fails_the_receiver_naming_the_peer_and_breaks_the
         got = await asyncio.wait_for(asyncio.gather(*(g.all_to_all(outs[g.rank], ins[g.rank]) for g in groups),
                                                     return_exceptions=True), BOUND)
         assert isinstance(got[0], CollectiveError), got
-        assert "rank 1 sent exchange #1's 6 float32" in str(got[0]) and "receives 5 float32" in str(got[0])
+        assert "rank 1 sent exchange #1's part 0, 6 float32" in str(got[0]) and "receives part 0, 5 float32" in str(got[0])
         # rank 1 got what it expected (or lost its lane as rank 0 shut it); rank 0's Abort breaks
         # its group too
         await wait_until(lambda: groups[1].broken is not None, timeout=BOUND)
-        assert "rank 1 sent exchange #1's 6 float32" in str(groups[1].broken) or "rank 0" in str(groups[1].broken)
+        assert "rank 1 sent exchange #1's part 0, 6 float32" in str(groups[1].broken) or "rank 0" in str(groups[1].broken)
         with pytest.raises(CollectiveError):
             groups[0].all_to_all(outs[0], ins[0])
     finally:
@@ -167,7 +167,7 @@ def _recv_with(frames: bytes, numel=3, dtype="float32", seq=1):
         b._lanes[0].sock.sendall(frames)
         out = np.zeros(numel, np.float32 if dtype == "float32" else np.uint8)
         try:
-            a._recv(a._lanes[1], seq, (dtype, numel, out.view(np.uint8)), L.Deadline(time.monotonic() + 1.0, "t"))
+            a.recv_message(a._lanes[1], seq, 0, (dtype, numel, out.view(np.uint8)), L.Deadline(time.monotonic() + 1.0, "t"))
         except CollectiveError as e:
             return e
         return out
@@ -176,8 +176,8 @@ def _recv_with(frames: bytes, numel=3, dtype="float32", seq=1):
         b.close()
 
 
-def _msg(payload: bytes, seq=1, numel=3, nbytes=12, dtype="float32", mine=2, theirs=1, continues=False) -> bytes:
-    desc = L.pack_descriptor(seq, numel, nbytes, dtype)
+def _msg(payload: bytes, seq=1, part=0, numel=3, nbytes=12, dtype="float32", mine=2, theirs=1, continues=False) -> bytes:
+    desc = L.pack_descriptor(seq, part, numel, nbytes, dtype)
     return L.frame_head(mine, theirs, len(desc) + len(payload), continues) + desc + payload
 
 
@@ -195,11 +195,12 @@ HOSTILE = {
     "a feedback frame": streaming.feedback_frame(1, 2, 10),
     "another stream": _msg(DATA, mine=3),
     "another exchange": _msg(DATA, seq=2),
+    "another part": _msg(DATA, part=1),
     "another dtype": _msg(DATA, dtype="int32"),
     "more bytes than announced": _msg(DATA + b"\0" * 4, nbytes=12),
     "a continuation past the message": _msg(DATA, continues=True) + L.frame_head(2, 1, 4, False) + b"\0" * 4,
     "a message that ends short": _msg(DATA[:8]),
-    "a dtype name past its field": _with_byte(_msg(DATA), 12 + len(streaming.data_meta(1, 2)) + 24, 200),
+    "a dtype name past its field": _with_byte(_msg(DATA), 12 + len(streaming.data_meta(1, 2)) + 28, 200),
     "silence": b"",
 }
 
@@ -211,10 +212,10 @@ def test_hostile_frames_on_a_lane_fail_the_exchange_naming_the_peer(case, caplog
     assert isinstance(got, CollectiveError), got
     assert "rank 1" in str(got)
     # a peer that breaks the protocol is blamed (and not told); a mismatch blames no one
-    assert got.ranks == (() if case in ("another exchange", "another dtype") else (1,))
+    assert got.ranks == (() if case in ("another exchange", "another part", "another dtype") else (1,))
     if case == "silence":
         assert isinstance(got, CollectiveTimeout)
-    elif case in ("another exchange", "another dtype"):
+    elif case in ("another exchange", "another part", "another dtype"):
         assert "every rank must call the same collectives" in str(got)
     else:
         assert "broke the lane protocol" in str(got)
@@ -311,9 +312,9 @@ def test_sans_io_round_trips():
     assert L.parse_open_response(*_split(L.open_response(5))) == 6
     with pytest.raises(L.LaneError, match="refused: \\[E1003\\]no"):
         L.parse_open_response(*_split(L.open_response(5, "no")))
-    assert L.parse_descriptor(L.pack_descriptor(7, -1, 0, "bfloat16")) == (7, -1, 0, "bfloat16")
+    assert L.parse_descriptor(L.pack_descriptor(7, 2, -1, 0, "bfloat16")) == (7, 2, -1, 0, "bfloat16")
     with pytest.raises(ValueError):
-        L.pack_descriptor(1, 1, 1, "x" * 65)
+        L.pack_descriptor(1, 0, 1, 1, "x" * 65)
     assert L.check_data_meta(streaming.data_meta(4, 9, True), 4, 9) is True
 
 
