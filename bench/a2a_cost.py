@@ -1,7 +1,9 @@
-"""The work of one all_to_all of the training layer, without torch, threads or a second CPU.
+"""The work of one all_to_all of the training layer, without torch or a second CPU.
 
 Four ranks of `aiobrpc.training.Group` in one process, on one event loop, exchange `--bytes`
-per pair (4 MiB: announced, then placed straight into the output) `--calls` times. Made for
+per pair `--calls` times: on the group's lanes (the default: blocking threads, the data
+received straight into the output), or with `--calls-path` through the group's calls
+(announced, then placed straight into the output) as before lanes. Made for
 callgrind, whose instruction counts hold on a busy machine where timings do not: the work of
 one all_to_all of all four ranks is the difference of two runs divided by the difference of
 their calls. The per-second sampling of each server's variables (builtin pages' plots) runs
@@ -34,10 +36,10 @@ from aiobrpc.training import FileStore, Group  # noqa: E402
 WORLD = 4
 
 
-async def run(calls: int, per_pair: int) -> None:
+async def run(calls: int, per_pair: int, lanes: bool = True) -> None:
     with tempfile.TemporaryDirectory() as store_dir:
         store = FileStore(store_dir)
-        groups = list(await asyncio.gather(*(Group.create(store, r, WORLD, timeout=60) for r in range(WORLD))))
+        groups = list(await asyncio.gather(*(Group.create(store, r, WORLD, timeout=60, lanes=lanes) for r in range(WORLD))))
         for g in groups:
             g._server.series = None  # sampled by wall clock, not per call: see the docstring
         ins = [[np.full(per_pair, r, np.uint8) for _ in range(WORLD)] for r in range(WORLD)]
@@ -61,6 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--bytes", type=int, default=4 << 20, help="bytes each rank sends each rank")
+    ap.add_argument("--calls-path", action="store_true", help="all_to_all through calls, not lanes")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     args = ap.parse_args()
     if args.loop == "uvloop":
@@ -70,7 +73,7 @@ def main() -> int:
         new_loop = asyncio.new_event_loop
     loop = new_loop()
     try:
-        loop.run_until_complete(run(args.calls, args.bytes))
+        loop.run_until_complete(run(args.calls, args.bytes, not args.calls_path))
     finally:
         loop.close()
     return 0
