@@ -367,11 +367,9 @@ class Group:
         if len(outs) != self.world_size or len(ins) != self.world_size:
             raise ValueError(f"all_to_all needs {self.world_size} input and output tensors, got "
                              f"{len(ins)} and {len(outs)}")
-        if self._lanes is not None:
-            return self._enqueue_exchange("all_to_all", lambda seq: self._lane_all_to_all(seq, outs, ins))
-        return self._enqueue_exchange("all_to_all", lambda seq: all_to_all(self, seq, outs, ins))
-
-    async def _lane_all_to_all(self, seq: int, outs: list, ins: list) -> None:
+        if self._lanes is None:
+            return self._enqueue_exchange("all_to_all", lambda seq: all_to_all(self, seq, outs, ins))
+        # The caller's mistakes raise here, before the exchange takes its number.
         o = [p2p_mod.byte_view(t, "all_to_all output") for t in outs]
         i = [p2p_mod.byte_view(t, "all_to_all input") for t in ins]
         me = self.rank
@@ -379,7 +377,8 @@ class Group:
             raise ValueError(f"all_to_all output: {i[me][1]} {i[me][0]} cannot go into {o[me][1]} {o[me][0]}")
         parts_out = [(d, n, buf) for d, n, _, buf in o]
         parts_in = [(d, n, buf) for d, n, _, buf in i]
-        await self._on_lanes(seq, "all_to_all", self._lanes.all_to_all, parts_out, parts_in)
+        return self._enqueue_exchange("all_to_all", lambda seq: self._on_lanes(
+            seq, "all_to_all", self._lanes.all_to_all, parts_out, parts_in))
 
     async def _on_lanes(self, seq: int, name: str, fn, *args: Any) -> None:
         """Run exchange #seq's `fn(seq, *args, deadline)` on the lane thread. Shortly before the

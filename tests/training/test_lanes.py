@@ -363,3 +363,22 @@ async def test_ring_collectives_on_lanes_equal_those_on_calls(tmp_path, world):
             await _close(groups)
     assert results[True] == results[False]
     assert results[True][0][0] == results[True][0][-1]  # every rank has the same sum
+
+
+async def test_a_callers_mistake_raises_at_once_and_leaves_the_group_usable(tmp_path):
+    groups = await _groups(tmp_path)
+    try:
+        g = groups[0]
+        with pytest.raises(ValueError, match="cannot go into"):
+            g.all_to_all([np.zeros(3, np.int32), np.zeros(2)], [np.zeros(4, np.int32), np.zeros(2)])
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            g.all_to_all([np.zeros(3), np.zeros((4, 4))[:, 0]], [np.zeros(3), np.zeros(4)])
+        with pytest.raises(TypeError, match="numpy array or a torch CPU tensor"):
+            g.all_to_all([np.zeros(3), [1, 2]], [np.zeros(3), np.zeros(2)])
+        assert g.broken is None
+        ins = {r: [np.full(2, 10.0 * r + j) for j in range(2)] for r in range(2)}
+        outs = {r: [np.zeros(2) for _ in range(2)] for r in range(2)}
+        await asyncio.wait_for(asyncio.gather(*(x.all_to_all(outs[x.rank], ins[x.rank]) for x in groups)), BOUND)
+        assert outs[0][1].tolist() == [10.0, 10.0] and outs[1][0].tolist() == [1.0, 1.0]
+    finally:
+        await _close(groups)
