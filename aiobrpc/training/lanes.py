@@ -270,6 +270,7 @@ class Lanes:
         self._listener: socket.socket | None = socket.create_server((host, 0))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._sender: concurrent.futures.ThreadPoolExecutor | None = None
+        self._queued = 0  # writes handed to the sending thread and not yet done
         self._aborted: CollectiveError | None = None
         self._lock = threading.Lock()
         self.bytes_received = 0  # straight into the receiver's tensors
@@ -397,14 +398,16 @@ class Lanes:
         outs[me][2][:] = ins[me][2]
         for k in range(1, world):
             dst, src = (me + k) % world, (me - k) % world
-            sending = self._sender.submit(self.send_message, self.lane(dst), seq, 0, ins[dst], deadline)
+            sending = self.submit_sends(self.lane(dst), seq, 0, [ins[dst]], deadline)
             try:
                 self.recv_message(self.lane(src), seq, 0, outs[src], deadline)
             except BaseException as e:
                 self.abort(e if isinstance(e, CollectiveError) else CollectiveError(repr(e)))
-                concurrent.futures.wait([sending])
+                if sending is not None:
+                    concurrent.futures.wait([sending])
                 raise
-            sending.result()
+            if sending is not None:
+                sending.result()
 
     def ring(self, seq: int, op: Any, deadline: Deadline) -> None:
         """Run ring collective `op` (ops.RingOp, started here) as exchange #seq (blocking): what
@@ -425,7 +428,9 @@ class Lanes:
             step = segment = part = 0
             while True:
                 if emitted:
-                    futures.append(self.submit_sends(right, seq, sent, emitted[:], deadline))
+                    sending = self.submit_sends(right, seq, sent, emitted[:], deadline)
+                    if sending is not None:
+                        futures.append(sending)
                     sent += len(emitted)
                     emitted.clear()
                 if op.complete:
@@ -469,32 +474,45 @@ class Lanes:
         return lane
 
     def submit_sends(self, lane: Lane, seq: int, first_part: int, messages: list, deadline: Deadline):
-        """Send `messages` (triples as in send_message), parts first_part, first_part + 1, ...,
-        on the sending thread, after what was submitted before: a future."""
+        """Send `messages` ((dtype name, numel, uint8 view) triples) as parts first_part,
+        first_part + 1, ... of exchange #seq, after what was submitted before. Called by the
+        thread that runs the exchange: when the sending thread is idle, what the socket takes
+        at once is written here (no hand-over: a small message goes whole); the rest goes to
+        the sending thread, whose future is returned (None when nothing was left)."""
         if self._aborted is not None:
             raise self._aborted
-        return self._sender.submit(self._send_all, lane, seq, first_part, messages, deadline)
-
-    def _send_all(self, lane: Lane, seq: int, first_part: int, messages: list, deadline: Deadline) -> None:
+        bufs: list = []
         for i, message in enumerate(messages):
-            self.send_message(lane, seq, first_part + i, message, deadline)
+            _frames(bufs, lane, seq, first_part + i, message)
+        with self._lock:
+            idle = not self._queued
+        if idle:
+            try:
+                bufs = _write_now(lane.sock, bufs)
+            except OSError as e:
+                raise self._gone(lane, e, deadline) from None
+            if not bufs:
+                return None
+        with self._lock:
+            self._queued += 1
+        return self._sender.submit(self._write, lane, bufs, deadline)
 
-    def send_message(self, lane: Lane, seq: int, part: int, message: tuple, deadline: Deadline) -> None:
-        """Send `message`, a (dtype name, numel, uint8 view) triple, as part `part` of exchange #seq."""
-        dtype, numel, buf = message
-        data = memoryview(buf).cast("B") if len(buf) else memoryview(b"")
-        total = len(data)
-        first = min(total, FRAME_BYTES - DESCRIPTOR)
-        head = _head(lane.out_meta[first < total], DESCRIPTOR + first) + pack_descriptor(seq, part, numel, total, dtype)
+    def _write(self, lane: Lane, bufs: list, deadline: Deadline) -> None:
         try:
-            _send_frame(lane.sock, head, data[:first], deadline)
-            at = first
-            while at < total:
-                n = min(FRAME_BYTES, total - at)
-                _send_frame(lane.sock, _head(lane.out_meta[at + n < total], n), data[at:at + n], deadline)
-                at += n
+            for buf in bufs:
+                _settimeout(lane.sock, deadline, lane.peer, lane.address)
+                lane.sock.sendall(buf)  # its timeout bounds the whole buffer
         except OSError as e:
             raise self._gone(lane, e, deadline) from None
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def send_message(self, lane: Lane, seq: int, part: int, message: tuple, deadline: Deadline) -> None:
+        """Send `message` as part `part` of exchange #seq and wait until it is written."""
+        sending = self.submit_sends(lane, seq, part, [message], deadline)
+        if sending is not None:
+            sending.result()
 
     def recv_message(self, lane: Lane, seq: int, part: int, message: tuple, deadline: Deadline) -> None:
         """Receive part `part` of exchange #seq into `message`'s view; its dtype name and element
@@ -625,14 +643,45 @@ def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: Deadline, 
         got += k
 
 
-def _send_frame(sock: socket.socket, head: bytes, data: memoryview, deadline: Deadline) -> None:
-    """head then data, in one sendmsg when the kernel takes them whole (the usual case for
-    small messages); the rest with sendall, whose timeout bounds the whole of it."""
-    _settimeout(sock, deadline, -1, "")
-    sent = sock.sendmsg([head, data]) if len(data) else sock.send(head)
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(data):
-        _settimeout(sock, deadline, -1, "")
-        sock.sendall(data[sent - len(head):])
+def _frames(bufs: list, lane: Lane, seq: int, part: int, message: tuple) -> None:
+    """Append to `bufs` what message `message` is on the wire: each DATA frame's header and
+    meta (the first with the descriptor), then its slice of the tensor's bytes (a view)."""
+    dtype, numel, buf = message
+    data = memoryview(buf).cast("B") if len(buf) else memoryview(b"")
+    total = len(data)
+    first = min(total, FRAME_BYTES - DESCRIPTOR)
+    bufs.append(_head(lane.out_meta[first < total], DESCRIPTOR + first)
+                + pack_descriptor(seq, part, numel, total, dtype))
+    if first:
+        bufs.append(data[:first])
+    at = first
+    while at < total:
+        n = min(FRAME_BYTES, total - at)
+        bufs.append(_head(lane.out_meta[at + n < total], n))
+        bufs.append(data[at:at + n])
+        at += n
+
+
+_IOV_MAX = 512
+
+
+def _write_now(sock: socket.socket, bufs: list) -> list:
+    """Write what the socket takes without waiting; what is left of `bufs`."""
+    sock.settimeout(0)
+    try:
+        while bufs:
+            try:
+                sent = sock.sendmsg(bufs[:_IOV_MAX])
+            except BlockingIOError:
+                break
+            while sent:
+                n = len(bufs[0])
+                if sent >= n:
+                    sent -= n
+                    bufs.pop(0)
+                else:
+                    bufs[0] = memoryview(bufs[0])[sent:]
+                    sent = 0
+    finally:
+        sock.settimeout(None)
+    return bufs
