@@ -117,10 +117,10 @@ class Group:
         p2p_buffer_bytes: The most bytes of such held messages per peer.
         p2p_max_messages: The most messages per peer held or waiting with no recv posted;
             one more breaks the group.
-        lanes: Carry the ring collectives and all_to_all on lanes (lanes.py): a connection per
-            pair of ranks read and written by blocking threads, opened when the group starts.
-            False: through the group's calls (Segment, Send), as send/recv, gather and scatter
-            always are.
+        lanes: Carry the collectives (ring ones, all_to_all, gather, scatter) on lanes
+            (lanes.py): a connection per pair of ranks read and written by blocking threads,
+            opened when the group starts. False: through the group's calls (Segment, Send), as
+            send/recv always are.
 
     >>> group = await Group.create(FileStore("/tmp/rdv"), rank, 4)  # doctest: +SKIP
     >>> await group.all_reduce(grads)            # summed over the 4 ranks, in place  # doctest: +SKIP
@@ -353,14 +353,30 @@ class Group:
         self._check_root(root)
         if self.rank == root and (outs is None or len(outs) != self.world_size):
             raise ValueError(f"gather on its root needs a list of {self.world_size} output tensors")
-        return self._enqueue_exchange("gather", lambda seq: gather(self, seq, tensor, outs, root))
+        if self._lanes is None:
+            return self._enqueue_exchange("gather", lambda seq: gather(self, seq, tensor, outs, root))
+        mine = _part(tensor, "gather input")
+        parts = None
+        if self.rank == root:
+            parts = [_part(t, "gather output") for t in outs]
+            _check_fits(parts[root], mine, "gather output")
+        return self._enqueue_exchange("gather", lambda seq: self._on_lanes(
+            seq, "gather", self._lanes.gather, mine, parts, root))
 
     def scatter(self, out: Any, ins: list | None, root: int = 0) -> asyncio.Future[None]:
         """`ins[rank]` of `root` into `out` on every rank (`ins` is ignored off the root)."""
         self._check_root(root)
         if self.rank == root and (ins is None or len(ins) != self.world_size):
             raise ValueError(f"scatter on its root needs a list of {self.world_size} input tensors")
-        return self._enqueue_exchange("scatter", lambda seq: scatter(self, seq, out, ins, root))
+        if self._lanes is None:
+            return self._enqueue_exchange("scatter", lambda seq: scatter(self, seq, out, ins, root))
+        mine = _part(out, "scatter output")
+        parts = None
+        if self.rank == root:
+            parts = [_part(t, "scatter input") for t in ins]
+            _check_fits(mine, parts[root], "scatter output")
+        return self._enqueue_exchange("scatter", lambda seq: self._on_lanes(
+            seq, "scatter", self._lanes.scatter, mine, parts, root))
 
     def all_to_all(self, outs: list, ins: list) -> asyncio.Future[None]:
         """`ins[j]` of every rank i into `outs[i]` of rank j; sizes may differ per pair."""
@@ -370,13 +386,9 @@ class Group:
         if self._lanes is None:
             return self._enqueue_exchange("all_to_all", lambda seq: all_to_all(self, seq, outs, ins))
         # The caller's mistakes raise here, before the exchange takes its number.
-        o = [p2p_mod.byte_view(t, "all_to_all output") for t in outs]
-        i = [p2p_mod.byte_view(t, "all_to_all input") for t in ins]
-        me = self.rank
-        if o[me][:2] != i[me][:2]:
-            raise ValueError(f"all_to_all output: {i[me][1]} {i[me][0]} cannot go into {o[me][1]} {o[me][0]}")
-        parts_out = [(d, n, buf) for d, n, _, buf in o]
-        parts_in = [(d, n, buf) for d, n, _, buf in i]
+        parts_out = [_part(t, "all_to_all output") for t in outs]
+        parts_in = [_part(t, "all_to_all input") for t in ins]
+        _check_fits(parts_out[self.rank], parts_in[self.rank], "all_to_all output")
         return self._enqueue_exchange("all_to_all", lambda seq: self._on_lanes(
             seq, "all_to_all", self._lanes.all_to_all, parts_out, parts_in))
 
@@ -766,6 +778,17 @@ class _CollectiveServicer(Servicer):
             resp.ranks.extend(err.ranks)
             resp.timed_out = isinstance(err, CollectiveTimeout)
         return resp
+
+
+def _part(tensor: Any, what: str) -> tuple[str, int, np.ndarray]:
+    """(dtype name, numel, uint8 view) of a tensor a lane carries; the caller's mistakes raise."""
+    dtype, numel, _, buf = p2p_mod.byte_view(tensor, what)
+    return dtype, numel, buf
+
+
+def _check_fits(dst: tuple, src: tuple, what: str) -> None:
+    if dst[:2] != src[:2]:
+        raise ValueError(f"{what}: {src[1]} {src[0]} cannot go into {dst[1]} {dst[0]}")
 
 
 def _refusal(err: CollectiveError) -> pb.Ack:

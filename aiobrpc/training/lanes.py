@@ -1,6 +1,6 @@
 """Lanes: one connection per pair of ranks, read and written by blocking threads, for the
 exchanges whose order every rank knows: the ring collectives (all_reduce, reduce_scatter,
-all_gather, broadcast, barrier) and all_to_all.
+all_gather, broadcast, barrier), all_to_all, gather and scatter.
 
 Why: carried by calls on the group's event loop, an all_to_all at world 4 costs each rank
 12 call ends (an announcement and a piece to each of 3 peers, the same from them) and their
@@ -408,6 +408,38 @@ class Lanes:
                 raise
             if sending is not None:
                 sending.result()
+
+    def gather(self, seq: int, mine: tuple, outs: list | None, root: int, deadline: Deadline) -> None:
+        """Exchange #seq (blocking): every rank's `mine` into `outs[rank]` on `root`."""
+        me = self.rank
+        if me != root:
+            self.send_message(self.lane(root), seq, 0, mine, deadline)
+            return
+        outs[me][2][:] = mine[2]
+        for r in range(self.world_size):
+            if r != me:
+                self.recv_message(self.lane(r), seq, 0, outs[r], deadline)
+
+    def scatter(self, seq: int, out: tuple, ins: list | None, root: int, deadline: Deadline) -> None:
+        """Exchange #seq (blocking): `ins[rank]` of `root` into every rank's `out`."""
+        me = self.rank
+        if me != root:
+            self.recv_message(self.lane(root), seq, 0, out, deadline)
+            return
+        futures = []
+        try:
+            for r in range(self.world_size):
+                if r != me:
+                    sending = self.submit_sends(self.lane(r), seq, 0, [ins[r]], deadline)
+                    if sending is not None:
+                        futures.append(sending)
+            out[2][:] = ins[me][2]
+            for f in futures:
+                f.result()
+        except BaseException as e:
+            self.abort(e if isinstance(e, CollectiveError) else CollectiveError(repr(e)))
+            concurrent.futures.wait(futures)
+            raise
 
     def ring(self, seq: int, op: Any, deadline: Deadline) -> None:
         """Run ring collective `op` (ops.RingOp, started here) as exchange #seq (blocking): what

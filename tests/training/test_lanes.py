@@ -382,3 +382,38 @@ async def test_a_callers_mistake_raises_at_once_and_leaves_the_group_usable(tmp_
         assert outs[0][1].tolist() == [10.0, 10.0] and outs[1][0].tolist() == [1.0, 1.0]
     finally:
         await _close(groups)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+async def test_gather_and_scatter_on_lanes_equal_those_on_calls(tmp_path, world):
+    results = {}
+    for lanes in (True, False):
+        groups = await _groups(tmp_path / str(lanes), world=world, lanes=lanes)
+        try:
+            root = world - 1
+            outs = [np.zeros(50_000 + r, np.int32) for r in range(world)]  # uneven, past socket buffers
+            await asyncio.wait_for(asyncio.gather(*(
+                g.gather(np.arange(50_000 + g.rank, dtype=np.int32) * (g.rank + 1), outs if g.rank == root else None, root)
+                for g in groups)), BOUND)
+            got = {r: np.zeros(3 + r, np.float64) for r in range(world)}
+            ins = [np.full(3 + r, r + 0.25) for r in range(world)]
+            await asyncio.wait_for(asyncio.gather(*(
+                g.scatter(got[g.rank], ins if g.rank == 0 else None, 0) for g in groups)), BOUND)
+            results[lanes] = ([o.tobytes() for o in outs], [got[r].tobytes() for r in range(world)])
+            assert results[lanes][1] == [a.tobytes() for a in ins]
+        finally:
+            await _close(groups)
+    assert results[True] == results[False]
+
+
+async def test_a_gather_of_another_size_fails_the_root_naming_the_rank(tmp_path):
+    groups = await _groups(tmp_path, world=3)
+    try:
+        outs = [np.zeros(4) for _ in range(3)]
+        got = await asyncio.wait_for(asyncio.gather(*(
+            g.gather(np.zeros(5 if g.rank == 2 else 4), outs if g.rank == 0 else None, 0) for g in groups),
+            return_exceptions=True), BOUND)
+        assert isinstance(got[0], CollectiveError) and "rank 2 sent" in str(got[0]) and "5 float64" in str(got[0])
+        await wait_until(lambda: all(g.broken is not None for g in groups), timeout=BOUND)
+    finally:
+        await _close(groups)
