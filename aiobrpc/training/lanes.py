@@ -634,8 +634,10 @@ _DTYPE_NAMES: dict = {}
 
 def _dtype_name(dtype: np.dtype) -> str:
     name = _DTYPE_NAMES.get(dtype)
-    if name is None:  # numpy computes a dtype's name in Python each time; few dtypes carry rings
-        name = _DTYPE_NAMES[dtype] = dtype.name
+    if name is None:  # numpy computes a dtype's name in Python each time; rings carry few dtypes
+        name = dtype.name
+        if len(_DTYPE_NAMES) < 64:
+            _DTYPE_NAMES[dtype] = name
     return name
 
 
