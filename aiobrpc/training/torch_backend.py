@@ -451,7 +451,16 @@ def _create(common: Any, backend_options: Any = None) -> AiobrpcProcessGroup:
     """torch's extended creator API: `common` is a `_DistributedBackendOptions` (store, group
     rank and size, timeout, the group's name)."""
     return AiobrpcProcessGroup(common.store, common.group_rank, common.group_size, common.timeout,
-                               group_name=str(common.group_id), host=listen_host(), prefix=store_prefix())
+                               group_name=str(common.group_id), host=listen_host(), prefix=store_prefix(),
+                               lanes=lanes_wanted())
+
+
+def lanes_wanted() -> bool:
+    """$AIOBRPC_LANES: 1 (the default) carries the collectives on lanes, 0 on calls."""
+    value = os.environ.get("AIOBRPC_LANES", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"AIOBRPC_LANES must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def store_prefix() -> str:

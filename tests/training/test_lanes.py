@@ -417,3 +417,15 @@ async def test_a_gather_of_another_size_fails_the_root_naming_the_rank(tmp_path)
         await wait_until(lambda: all(g.broken is not None for g in groups), timeout=BOUND)
     finally:
         await _close(groups)
+
+
+def test_the_torch_backend_takes_lanes_from_the_environment(monkeypatch):
+    pytest.importorskip("torch")
+    from aiobrpc.training.torch_backend import lanes_wanted
+    monkeypatch.delenv("AIOBRPC_LANES", raising=False)
+    assert lanes_wanted() is True
+    monkeypatch.setenv("AIOBRPC_LANES", "0")
+    assert lanes_wanted() is False
+    monkeypatch.setenv("AIOBRPC_LANES", "off")
+    with pytest.raises(ValueError, match="AIOBRPC_LANES must be 0 or 1, got 'off'"):
+        lanes_wanted()
