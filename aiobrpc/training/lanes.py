@@ -64,6 +64,7 @@ MAX_DTYPE_NAME = 64
 _DESC = struct.Struct("<QIqQB")  # exchange number, part, elements, bytes, dtype name's length
 DESCRIPTOR = _DESC.size + MAX_DTYPE_NAME  # 93 bytes, the name zero-padded
 HANDSHAKE_TIMEOUT_S = 10.0
+INLINE_BYTES = 64 << 10  # messages up to this size are written by the exchange's own thread
 
 
 class LaneError(RemoteProtocolError):
@@ -309,8 +310,9 @@ class Lanes:
         except OSError as e:
             raise _lost(peer, address, f"its lane port refused or did not answer ({e})", deadline) from None
         try:
+            sock.settimeout(None)  # blocking: the deadlines are the kernel's (_arm)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _settimeout(sock, deadline, peer, address)
+            _arm(sock, socket.SO_SNDTIMEO, deadline)
             sock.sendall(open_request(self.group_id, self.rank, peer))
             body_size, meta_size = parse_header(_recv_exact(sock, HEADER, deadline, peer, address),
                                                 b"PRPC", HANDSHAKE_MAX)
@@ -355,7 +357,8 @@ class Lanes:
         try:
             with contextlib.suppress(OSError):  # a socket that is not TCP (the fuzz harness's pair)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _settimeout(sock, hand, -1, who)
+            sock.settimeout(None)  # blocking: the deadlines are the kernel's (_arm)
+            _arm(sock, socket.SO_SNDTIMEO, hand)
             body_size, meta_size = parse_header(_recv_exact(sock, HEADER, hand, -1, who), b"PRPC",
                                                 HANDSHAKE_MAX)
             body = _recv_exact(sock, body_size, hand, -1, who)
@@ -374,8 +377,7 @@ class Lanes:
             log.warning("lane port of rank %d: refused a connection from %s: %s", self.rank, who, e)
             if isinstance(e, LaneError):
                 try:
-                    sock.settimeout(0.1)
-                    sock.sendall(open_response(self.rank, str(e)[:200]))
+                    sock.sendmsg([open_response(self.rank, str(e)[:200])], [], socket.MSG_DONTWAIT)
                 except OSError:
                     pass
             sock.close()
@@ -510,15 +512,19 @@ class Lanes:
         first_part + 1, ... of exchange #seq, after what was submitted before. Called by the
         thread that runs the exchange: when the sending thread is idle, what the socket takes
         at once is written here (no hand-over: a small message goes whole); the rest goes to
-        the sending thread, whose future is returned (None when nothing was left)."""
+        the sending thread, whose future is returned (None when nothing was left). Larger
+        messages go to the sending thread whole: the kernel's copy of their bytes then runs
+        beside this thread's receiving, not before it."""
         if self._aborted is not None:
             raise self._aborted
         bufs: list = []
+        size = 0
         for i, message in enumerate(messages):
             _frames(bufs, lane, seq, first_part + i, message)
+            size += len(message[2])
         with self._lock:
             idle = not self._queued
-        if idle:
+        if idle and size <= INLINE_BYTES:
             try:
                 bufs = _write_now(lane.sock, bufs)
             except OSError as e:
@@ -532,8 +538,8 @@ class Lanes:
     def _write(self, lane: Lane, bufs: list, deadline: Deadline) -> None:
         try:
             for buf in bufs:
-                _settimeout(lane.sock, deadline, lane.peer, lane.address)
-                lane.sock.sendall(buf)  # its timeout bounds the whole buffer
+                _arm(lane.sock, socket.SO_SNDTIMEO, deadline)
+                lane.sock.sendall(buf)
         except OSError as e:
             raise self._gone(lane, e, deadline) from None
         finally:
@@ -593,7 +599,7 @@ class Lanes:
     def _gone(self, lane: Lane, e: OSError, deadline: Deadline) -> CollectiveError:
         if self._aborted is not None:
             return self._aborted
-        if isinstance(e, TimeoutError) or deadline.left() <= 0:
+        if isinstance(e, (TimeoutError, BlockingIOError)) or deadline.left() <= 0:
             return CollectiveTimeout(f"{deadline.what} timed out on rank {self.rank} waiting for rank "
                                      f"{lane.peer} ({lane.address})", (lane.peer,))
         return LaneLost(f"{deadline.what} failed on rank {self.rank}: the lane to rank {lane.peer} "
@@ -647,21 +653,31 @@ def _lost(peer: int, address: str, why: str, deadline: Deadline) -> CollectiveEr
     return CollectiveError(f"{deadline.what}: rank {peer} ({address}): {why}", (peer,))
 
 
-def _settimeout(sock: socket.socket, deadline: Deadline, peer: int, address: str) -> None:
+# Lane sockets are blocking, their deadlines the kernel's (SO_RCVTIMEO for the thread that
+# reads, SO_SNDTIMEO for the one that writes: each sets its own), and a read waits for all its
+# bytes in the kernel (MSG_WAITALL): a 4 MiB segment is one call, not a Python loop over what
+# the socket buffer held. A read or write past its deadline fails with EAGAIN; abort() shuts
+# the socket down, which ends a waiting read or write at once.
+_TIMEVAL = struct.Struct("@ll")
+
+
+def _arm(sock: socket.socket, option: int, deadline: Deadline) -> None:
     left = deadline.left()
     if left <= 0:
         raise TimeoutError(f"{deadline.what}: no time left")
-    sock.settimeout(left)
+    sec = int(left)
+    usec = max(1, int((left - sec) * 1e6)) if sec == 0 else int((left - sec) * 1e6)  # {0, 0}: no timeout
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(sec, usec))
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: Deadline, peer: int, address: str) -> bytes:
-    _settimeout(sock, deadline, peer, address)
-    got = sock.recv(n)  # a header, a meta: nearly always whole in one read
+    _arm(sock, socket.SO_RCVTIMEO, deadline)
+    got = sock.recv(n, socket.MSG_WAITALL)
     if len(got) == n:
         return got
     if not got:
         raise ConnectionResetError("the peer closed the connection")
-    rest = bytearray(n - len(got))
+    rest = bytearray(n - len(got))  # the deadline passed or a signal came mid-read
     _recv_exact_into(sock, memoryview(rest), deadline, peer, address)
     return got + rest
 
@@ -670,8 +686,8 @@ def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: Deadline, 
                      address: str) -> None:
     got, n = 0, len(view)
     while got < n:
-        _settimeout(sock, deadline, peer, address)
-        k = sock.recv_into(view[got:])
+        _arm(sock, socket.SO_RCVTIMEO, deadline)
+        k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if not k:
             raise ConnectionResetError("the peer closed the connection")
         got += k
@@ -701,21 +717,17 @@ _IOV_MAX = 512
 
 def _write_now(sock: socket.socket, bufs: list) -> list:
     """Write what the socket takes without waiting; what is left of `bufs`."""
-    sock.settimeout(0)
-    try:
-        while bufs:
-            try:
-                sent = sock.sendmsg(bufs[:_IOV_MAX])
-            except BlockingIOError:
-                break
-            while sent:
-                n = len(bufs[0])
-                if sent >= n:
-                    sent -= n
-                    bufs.pop(0)
-                else:
-                    bufs[0] = memoryview(bufs[0])[sent:]
-                    sent = 0
-    finally:
-        sock.settimeout(None)
+    while bufs:
+        try:
+            sent = sock.sendmsg(bufs[:_IOV_MAX], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            break
+        while sent:
+            n = len(bufs[0])
+            if sent >= n:
+                sent -= n
+                bufs.pop(0)
+            else:
+                bufs[0] = memoryview(bufs[0])[sent:]
+                sent = 0
     return bufs
