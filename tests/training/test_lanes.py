@@ -17,22 +17,13 @@ import pytest
 
 from aiobrpc.controller import Controller
 from aiobrpc.protocol import streaming
-from aiobrpc.training import CollectiveError, CollectiveTimeout, FileStore, Group
+from aiobrpc.training import CollectiveError, CollectiveTimeout
 from aiobrpc.training import lanes as L
 from aiobrpc._proto import collective_pb2 as pb
 from tests.helpers.waiting import wait_until
+from tests.training.inloop import close_groups as _close, make_groups as _groups
 
 BOUND = 20
-
-
-async def _groups(tmp_path, world=2, timeout=5.0, **options) -> list[Group]:
-    store = FileStore(str(tmp_path), timeout=10)
-    return list(await asyncio.gather(*(Group.create(store, r, world, timeout=timeout, **options)
-                                       for r in range(world))))
-
-
-async def _close(groups) -> None:
-    await asyncio.gather(*(g.close() for g in groups))
 
 
 def _parts(world, sizes, dtype):

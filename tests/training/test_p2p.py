@@ -14,11 +14,12 @@ from aiobrpc.controller import Controller
 from aiobrpc.options import ChannelOptions
 from aiobrpc.stub import Stub
 from aiobrpc._proto import collective_pb2 as pb
-from aiobrpc.training import CollectiveError, CollectiveTimeout, FileStore, Group
+from aiobrpc.training import CollectiveError, CollectiveTimeout, Group
 from aiobrpc.training.group import SERVICE
 from aiobrpc.training import p2p as p2p_module
 from aiobrpc.training.p2p import DATA, EAGER, HEADER
 from tests.helpers.waiting import wait_until
+from tests.training.inloop import close_groups as _close, make_groups as _groups
 
 BOUND = 20  # seconds: no test waits longer for anything
 
@@ -31,16 +32,6 @@ def test_dtype_names_are_numpy_s_and_their_cache_is_bounded():
         a = np.zeros(2, [(f"f{i}", np.int32)])
         assert p2p_module.byte_view(a)[0] == a.dtype.name
     assert len(p2p_module._DTYPE_NAMES) == p2p_module._MAX_DTYPE_NAMES
-
-
-async def _groups(tmp_path, world=2, timeout=5.0, **options) -> list[Group]:
-    store = FileStore(str(tmp_path), timeout=10)
-    return list(await asyncio.gather(*(Group.create(store, r, world, timeout=timeout, **options)
-                                       for r in range(world))))
-
-
-async def _close(groups) -> None:
-    await asyncio.gather(*(g.close() for g in groups))
 
 
 def _wait(aw, t=BOUND):
