@@ -257,7 +257,7 @@ class Group:
         for ch in self._channels:
             await ch.close()
         if self._lanes is not None:  # _fail above shut the lanes down: their threads return at once
-            await self._loop.run_in_executor(None, self._close_lanes)
+            self._close_lanes()  # here, not on an executor: at exit the loop's may be gone
         if self._reducer is not None:
             self._reducer.shutdown(wait=False)
         if self._server is not None:
@@ -426,8 +426,8 @@ class Group:
         end = self._loop.time() + CONTROL_TIMEOUT_S
         while self._broken is None:  # an Abort or this rank's own diagnosis may come meanwhile
             answer = await self._status_of(lost.peer)
-            if isinstance(answer, RpcError):
-                return lost
+            if isinstance(answer, RpcError):  # dead: the error names it, as a CollectiveError
+                return CollectiveError(str(lost), lost.ranks)
             if answer.error:
                 return _error(f"{answer.error} (reported to rank {self.rank} by rank {lost.peer})",
                               answer.ranks, answer.timed_out)

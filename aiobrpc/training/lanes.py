@@ -602,8 +602,8 @@ class Lanes:
         if isinstance(e, (TimeoutError, BlockingIOError)) or deadline.left() <= 0:
             return CollectiveTimeout(f"{deadline.what} timed out on rank {self.rank} waiting for rank "
                                      f"{lane.peer} ({lane.address})", (lane.peer,))
-        return LaneLost(f"{deadline.what} failed on rank {self.rank}: the lane to rank {lane.peer} "
-                        f"({lane.address}) was lost: {e}", lane.peer)
+        return LaneLost(f"{deadline.what} failed on rank {self.rank}: rank {lane.peer} ({lane.address}) "
+                        f"closed its lane or is gone: {e}", lane.peer)
 
     # -- ending --------------------------------------------------------------------------------
     def abort(self, err: CollectiveError) -> None:
