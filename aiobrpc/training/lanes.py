@@ -325,6 +325,12 @@ class Lanes:
             log.warning("lane to rank %d (%s): %s", peer, address, e)
             raise CollectiveError(f"rank {self.rank} could not open its lane to rank {peer} "
                                   f"({address}): {e}", (peer,)) from None
+        except OSError as e:  # reset, or no answer by the deadline (EAGAIN: the kernel's timeout)
+            sock.close()
+            timed_out = isinstance(e, (TimeoutError, BlockingIOError)) or deadline.left() <= 0
+            raise (CollectiveTimeout if timed_out else CollectiveError)(
+                f"rank {self.rank} could not open its lane to rank {peer} ({address}): "
+                f"{'no answer in time' if timed_out else e}", (peer,)) from None
         except BaseException:
             sock.close()
             raise

@@ -420,3 +420,34 @@ def test_the_torch_backend_takes_lanes_from_the_environment(monkeypatch):
     monkeypatch.setenv("AIOBRPC_LANES", "off")
     with pytest.raises(ValueError, match="AIOBRPC_LANES must be 0 or 1, got 'off'"):
         lanes_wanted()
+
+
+def test_an_opener_not_answered_in_time_says_so():
+    """A lane port that accepts but never answers (here: a bare listening socket)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        a = L.Lanes(0, 2, "127.0.0.1")
+        a.group_id = "g"
+        try:
+            with pytest.raises(CollectiveTimeout, match="could not open its lane to rank 1 .*no answer in time"):
+                a.open([a.address, f"127.0.0.1:{silent.getsockname()[1]}"], 0.5)
+        finally:
+            a.close()
+
+
+def test_an_opener_reset_says_so():
+    """A lane port that closes the connection at once."""
+    with socket.create_server(("127.0.0.1", 0)) as rude:
+        def reset():
+            conn, _ = rude.accept()
+            conn.close()
+        t = threading.Thread(target=reset)
+        t.start()
+        a = L.Lanes(0, 2, "127.0.0.1")
+        a.group_id = "g"
+        try:
+            with pytest.raises(CollectiveError, match="could not open its lane to rank 1") as info:
+                a.open([a.address, f"127.0.0.1:{rude.getsockname()[1]}"], 5.0)
+            assert not isinstance(info.value, CollectiveTimeout) and info.value.ranks == (1,)
+        finally:
+            t.join()
+            a.close()
