@@ -588,6 +588,8 @@ class Lanes:
                 payload = body - meta_size - extra
                 if payload > want - got:
                     raise LaneError(f"{payload} more bytes where {want - got} are left of the message")
+                if continues and not payload:  # never sent: each frame that continues carries bytes
+                    raise LaneError("an empty frame that says more follow")
                 _recv_exact_into(sock, view[got:got + payload], deadline, peer, addr)
                 got += payload
                 if not continues:

@@ -191,6 +191,7 @@ HOSTILE = {
     "more bytes than announced": _msg(DATA + b"\0" * 4, nbytes=12),
     "a continuation past the message": _msg(DATA, continues=True) + L.frame_head(2, 1, 4, False) + b"\0" * 4,
     "a message that ends short": _msg(DATA[:8]),
+    "empty frames that continue": _msg(b"", continues=True) + L.frame_head(2, 1, 0, True) * 3,
     "a dtype name past its field": _with_byte(_msg(DATA), 12 + len(streaming.data_meta(1, 2)) + 28, 200),
     "silence": b"",
 }
