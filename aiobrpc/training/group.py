@@ -400,12 +400,14 @@ class Group:
         what = f"{name} #{seq}"
         deadline = Deadline(time.monotonic() + self.timeout + LANE_SLACK_S, what)
         ended = [False]
-        timer = self._loop.call_later(max(0.0, self.timeout - _probe_time(self.timeout)),
-                                      lambda: self._spawn(self._diagnose_lanes(seq, what, ended)))
+        diagnosed = self._loop.create_future()
+        diagnosis_at = self._loop.time() + max(0.0, self.timeout - _probe_time(self.timeout))
+        timer = self._loop.call_at(diagnosis_at, lambda: self._spawn(
+            self._diagnose_lanes(seq, what, ended, diagnosed)))
         try:
             await self._loop.run_in_executor(self._lane_pool, fn, seq, *args, deadline)
         except LaneLost as e:
-            self._fail(await self._why_lost(e))
+            self._fail(await self._why_lost(e, diagnosed, diagnosis_at))
             raise self._broken from None
         except CollectiveError as e:
             self._fail(e)
@@ -420,13 +422,23 @@ class Group:
             ended[0] = True
             timer.cancel()
 
-    async def _why_lost(self, lost: LaneLost) -> CollectiveError:
+    async def _why_lost(self, lost: LaneLost, diagnosed: asyncio.Future, diagnosis_at: float) -> CollectiveError:
         """A lane closed by its peer: the peer died, or its group broke and it shut its lanes
-        (before its Abort, if any, reached this rank). Its Status tells which."""
+        (before its Abort, if any, reached this rank). Its Status tells which. Near the
+        timeout a peer that timed out may also have exited already (a timeout is not told:
+        every rank finds it): then this rank's own diagnosis, due or running, names the
+        culprit, not the peer that merely left first."""
         end = self._loop.time() + CONTROL_TIMEOUT_S
         while self._broken is None:  # an Abort or this rank's own diagnosis may come meanwhile
             answer = await self._status_of(lost.peer)
-            if isinstance(answer, RpcError):  # dead: the error names it, as a CollectiveError
+            if isinstance(answer, RpcError):  # no answer: dead, unless the timeout explains it
+                wait = diagnosis_at - self._loop.time()
+                if wait < _probe_time(self.timeout):  # this rank's diagnosis is due or running
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(diagnosed),
+                                               max(0.0, wait) + _probe_time(self.timeout) + 1.0)
+                    if self._broken is not None:
+                        return self._broken
                 return CollectiveError(str(lost), lost.ranks)
             if answer.error:
                 return _error(f"{answer.error} (reported to rank {self.rank} by rank {lost.peer})",
@@ -437,14 +449,18 @@ class Group:
             await asyncio.sleep(0.02)
         return self._broken
 
-    async def _diagnose_lanes(self, seq: int, what: str, ended: list) -> None:
-        blamed, notes = await self._blame(seq)
-        if ended[0]:
-            return
-        if not notes:
-            notes.append("every rank answers and has started it: a rank is too slow or stuck")
-        self._fail(CollectiveTimeout(f"{what} timed out after {self.timeout:g} s on rank {self.rank}: "
-                                     + "; ".join(notes), tuple(blamed)), tell_peers=False)
+    async def _diagnose_lanes(self, seq: int, what: str, ended: list, diagnosed: asyncio.Future) -> None:
+        try:
+            blamed, notes = await self._blame(seq)
+            if ended[0]:
+                return
+            if not notes:
+                notes.append("every rank answers and has started it: a rank is too slow or stuck")
+            self._fail(CollectiveTimeout(f"{what} timed out after {self.timeout:g} s on rank {self.rank}: "
+                                         + "; ".join(notes), tuple(blamed)), tell_peers=False)
+        finally:
+            if not diagnosed.done():
+                diagnosed.set_result(None)
 
     def _check_root(self, root: Any) -> None:
         if not isinstance(root, int) or not 0 <= root < self.world_size:
