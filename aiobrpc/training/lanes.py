@@ -272,6 +272,9 @@ class Lanes:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._sender: concurrent.futures.ThreadPoolExecutor | None = None
         self._queued = 0  # writes handed to the sending thread and not yet done
+        # where reduced segments are received; kept across exchanges (the lane thread's only),
+        # so an all_reduce does not map and fault in a fresh segment-sized buffer each time
+        self._scratch: np.ndarray | None = None
         self._aborted: CollectiveError | None = None
         self._lock = threading.Lock()
         self.bytes_received = 0  # straight into the receiver's tensors
@@ -462,7 +465,7 @@ class Lanes:
             (_dtype_name(data.dtype), data.size, data.reshape(-1).view(np.uint8)))
         futures: list = []
         sent = 0
-        scratch: np.ndarray | None = None
+        scratch = self._scratch
         try:
             op.start()
             step = segment = part = 0
@@ -489,7 +492,7 @@ class Lanes:
                     self.segments_placed += 1
                 else:
                     if scratch is None or scratch.dtype != dtype or scratch.size < b - a:
-                        scratch = np.empty(b - a, dtype)
+                        scratch = self._scratch = np.empty(b - a, dtype)
                     dest = scratch[:b - a]
                 self.recv_message(left, seq, part, (_dtype_name(dtype), b - a, dest.view(np.uint8)), deadline)
                 op.receive(step, segment, dest)
