@@ -60,18 +60,22 @@ def handshake(data: bytes) -> str:
     lanes = L.Lanes(1, 2, "127.0.0.1")
     lanes.group_id = GROUP
     sock, writer = _feed(data)
-    waiting = {0}
+    expected = {(0, kind) for kind in L.KINDS}
+    waiting = set(expected)
     try:
         lanes._admit(sock, ("fuzz", 0), waiting, ["127.0.0.1:1", "127.0.0.1:2"],
                      L.Deadline(time.monotonic() + 1.0, "fuzz"))
-        admitted = lanes._lanes[0] is not None
+        admitted = lanes._lanes[0] is not None or lanes.mail[0] is not None
         if admitted:
             body_size, meta_size = L.parse_header(data[:L.HEADER], b"PRPC", L.HANDSHAKE_MAX)
             body = data[L.HEADER:L.HEADER + body_size]
-            group, src, dst, sid = L.parse_open_request(body[:meta_size], body[meta_size:])
-            if (group, src, dst, sid) != (GROUP, 0, 1, 1):
-                raise H.Finding(f"admitted a lane from a request for {group!r} {src} -> {dst} stream {sid}")
-        elif waiting != {0}:
+            group, src, dst, sid, kind = L.parse_open_request(body[:meta_size], body[meta_size:])
+            if (group, src, dst, sid) != (GROUP, 0, 1, 1) or waiting != expected - {(0, kind)}:
+                raise H.Finding(f"admitted a lane from a request for {group!r} {src} -> {dst} stream {sid} "
+                                f"kind {kind}")
+            if (lanes._lanes[0] is not None, lanes.mail[0] is not None) != (kind == L.EXCHANGES, kind == L.MESSAGES):
+                raise H.Finding(f"a lane of kind {kind} was kept as the other kind")
+        elif waiting != expected:
             raise H.Finding("a refused connection was counted as rank 0's lane")
         return "admitted" if admitted else "refused"
     finally:

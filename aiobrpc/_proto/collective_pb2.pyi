@@ -273,19 +273,25 @@ class LaneRequest(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     SRC_FIELD_NUMBER: _builtins.int
     DST_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     src: _builtins.int
     dst: _builtins.int
+    kind: _builtins.int
+    """0: the lane of the exchanges (collectives); 1: the lane of point-to-point messages
+    (lane_messages.py). Each pair of ranks opens one of each.
+    """
     def __init__(
         self,
         *,
         group: _builtins.str | None = ...,
         src: _builtins.int | None = ...,
         dst: _builtins.int | None = ...,
+        kind: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["dst", b"dst", "group", b"group", "src", b"src"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dst", b"dst", "group", b"group", "kind", b"kind", "src", b"src"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst", b"dst", "group", b"group", "src", b"src"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst", b"dst", "group", b"group", "kind", b"kind", "src", b"src"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

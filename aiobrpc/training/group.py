@@ -45,6 +45,7 @@ from . import ops
 from . import p2p as p2p_mod
 from .errors import CollectiveError, CollectiveTimeout
 from .exchange import all_to_all, gather, scatter
+from .lane_messages import LaneMessages
 from .lanes import Deadline, LaneLost, Lanes
 from .reduce import ReduceOp, reduce_op
 
@@ -117,10 +118,10 @@ class Group:
         p2p_buffer_bytes: The most bytes of such held messages per peer.
         p2p_max_messages: The most messages per peer held or waiting with no recv posted;
             one more breaks the group.
-        lanes: Carry the collectives (ring ones, all_to_all, gather, scatter) on lanes
-            (lanes.py): a connection per pair of ranks read and written by blocking threads,
-            opened when the group starts. False: through the group's calls (Segment, Send), as
-            send/recv always are.
+        lanes: Carry the collectives (ring ones, all_to_all, gather, scatter) and send/recv on
+            lanes (lanes.py, lane_messages.py): two connections per pair of ranks read and
+            written by blocking threads, opened when the group starts. False: through the
+            group's calls (Segment, Send). The p2p_* options hold on either.
 
     >>> group = await Group.create(FileStore("/tmp/rdv"), rank, 4)  # doctest: +SKIP
     >>> await group.all_reduce(grads)            # summed over the 4 ranks, in place  # doctest: +SKIP
@@ -155,6 +156,8 @@ class Group:
         self._p2p_options = {"eager_bytes": p2p_eager_bytes, "buffer_bytes": p2p_buffer_bytes,
                              "max_messages": p2p_max_messages}
         self.p2p: p2p_mod.P2P | None = None
+        self.messages: LaneMessages | None = None  # send/recv on lanes
+        self._tick: asyncio.TimerHandle | None = None
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
@@ -220,6 +223,11 @@ class Group:
                 self._lane_pool = concurrent.futures.ThreadPoolExecutor(1, f"aiobrpc-lanes-rank{self.rank}")
                 await loop.run_in_executor(self._lane_pool, lanes.open, lane_addresses, self.timeout)
                 self._lanes = lanes
+                self.messages = LaneMessages(self.rank, self.world_size, lanes.mail, self.addresses,
+                                             timeout=self.timeout, report=self._mail_report,
+                                             **self._p2p_options)
+                self.messages.start()
+                self._tick = loop.call_later(_tick_time(self.timeout), self._mail_tick)
         except BaseException:
             if lanes is not None:
                 lanes.abort(CollectiveError(f"rank {self.rank}'s group did not start"))
@@ -256,6 +264,8 @@ class Group:
         await asyncio.gather(*self._background, return_exceptions=True)
         for ch in self._channels:
             await ch.close()
+        if self._tick is not None:
+            self._tick.cancel()
         if self._lanes is not None:  # _fail above shut the lanes down: their threads return at once
             self._close_lanes()  # here, not on an executor: at exit the loop's may be gone
         if self._reducer is not None:
@@ -271,6 +281,8 @@ class Group:
 
     def _close_lanes(self) -> None:
         self._lane_pool.shutdown(wait=True)
+        if self.messages is not None:
+            self.messages.join()
         self._lanes.close()
 
     async def __aenter__(self) -> Group:
@@ -340,13 +352,26 @@ class Group:
         from this rank with the same `tag`, in the order sent. Done once `dst` has it in place
         or holds it (small messages are held until their recv is posted)."""
         self._check_started()
+        if self.messages is not None:
+            self.p2p._check_peer(dst, "dst")
+            return self._wrap(self.messages.send(tensor, int(dst), _tag(tag)))
         return self.p2p.send(tensor, dst, _tag(tag))
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0) -> asyncio.Future[int]:
         """Receive into `tensor` the next message from rank `src` (None: from any rank) on
         `tag`; its dtype and element count must be the sender's. Gives the source rank."""
         self._check_started()
+        if self.messages is not None:
+            if src is not None:
+                self.p2p._check_peer(src, "src")
+                src = int(src)
+            return self._wrap(self.messages.recv(tensor, src, _tag(tag)))
         return self.p2p.recv(tensor, src, _tag(tag))
+
+    def _wrap(self, cf: concurrent.futures.Future) -> asyncio.Future:
+        fut = asyncio.wrap_future(cf, loop=self._loop)
+        fut.add_done_callback(_retrieved)  # as on calls: a send nobody waits for does not warn at exit
+        return fut
 
     def gather(self, tensor: Any, outs: list | None, root: int = 0) -> asyncio.Future[None]:
         """Every rank's `tensor` into `outs[rank]` on `root` (`outs` is ignored elsewhere)."""
@@ -673,6 +698,8 @@ class Group:
         self._waiters.clear()
         if self.p2p is not None:
             self.p2p.fail_all(err)
+        if self.messages is not None:
+            self.messages.fail_all(err)
         if self._lanes is not None:
             self._lanes.abort(err)
         if tell_peers and self.addresses:
@@ -730,6 +757,52 @@ class Group:
                 notes.append(f"rank {r} has not started it (it has started {a.ops_started} collectives)")
         return blamed, notes
 
+    # -- messages on lanes: a peer's report, and the timeouts ----------------------------------
+    def _mail_report(self, err: CollectiveError, fatal: bool) -> None:
+        """(A lane's thread.) A peer broke the message lane protocol (the group breaks), or its
+        lane closed."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the group is gone with it
+            if fatal:
+                self._loop.call_soon_threadsafe(self._fail, err)
+            else:
+                self._loop.call_soon_threadsafe(self._spawn, self._mail_lost(err))
+
+    async def _mail_lost(self, err: CollectiveError) -> None:
+        """A message lane closed: the peer died or closed its group, or its group broke and it
+        shut its lanes (its Status tells). What waits on that peer fails with the reason; the
+        group goes on (a collective finds a dead peer itself)."""
+        peer = err.ranks[0]
+        if self._broken is None and not self._closed:
+            answer = await self._status_of(peer)
+            if not isinstance(answer, RpcError) and answer.error:
+                err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,
+                             answer.timed_out)
+        self.messages.fail_peer(peer, err)
+
+    def _mail_tick(self) -> None:
+        if self._closed or self._broken is not None:
+            return
+        for r in self.messages.expire():
+            self._spawn(self._mail_timed_out(r))
+        self._tick = self._loop.call_later(_tick_time(self.timeout), self._mail_tick)
+
+    async def _mail_timed_out(self, r: Any) -> None:
+        """A recv not done within the timeout: a source that does not answer is dead (the group
+        breaks, naming it); one that answers has not sent the message (only the recv fails)."""
+        peers = [r.src] if r.src is not None else [p for p in range(self.world_size) if p != self.rank]
+        answers = await asyncio.gather(*(self._status_of(p) for p in peers))
+        dead = [p for p, a in zip(peers, answers) if isinstance(a, RpcError)]
+        what = f"{r.describe()} timed out after {self.timeout:g} s on rank {self.rank}: "
+        if dead:
+            err = CollectiveTimeout(what + "; ".join(f"rank {p} ({self.addresses[p]}) did not answer" for p in dead),
+                                    tuple(dead))
+            self._fail(err)
+        else:
+            err = CollectiveTimeout(what + "no matching send arrived", tuple(peers) if r.src is not None else ())
+        if not r.future.done():
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                r.future.set_exception(err)
+
     def _spawn(self, coro) -> None:
         task = self._loop.create_task(coro)
         self._background.add(task)
@@ -751,7 +824,7 @@ class _CollectiveServicer(Servicer):
         received straight into its place."""
         g = self.group
         if method == "Send":
-            return g.p2p.destination(req, attachment_size)
+            return None if g.messages is not None else g.p2p.destination(req, attachment_size)
         flight = g._current
         if (method != "Segment" or flight is None or g._broken is not None or req.group != g.id
                 or req.op != flight.seq):
@@ -775,7 +848,10 @@ class _CollectiveServicer(Servicer):
         return await g.segment_received(req, flight, cntl.request_attachment)
 
     async def Send(self, req: pb.SendRequest, cntl: Controller) -> pb.Ack:
-        return await self.group.p2p.received(req, cntl.request_attachment)
+        g = self.group
+        if g.messages is not None:
+            return pb.Ack(error=f"rank {g.rank} takes messages on its message lanes, not in Send calls")
+        return await g.p2p.received(req, cntl.request_attachment)
 
     async def Abort(self, req: pb.AbortRequest, cntl: Controller) -> pb.Ack:
         if req.group == self.group.id:
@@ -837,6 +913,16 @@ def _host(address: str) -> str:
 def _probe_time(timeout: float) -> float:
     """Seconds before the timeout when a collective starts asking the ranks for their state."""
     return min(CONTROL_TIMEOUT_S, timeout / 4)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _tick_time(timeout: float) -> float:
+    """How often the group looks for messages waiting past the timeout."""
+    return min(0.5, timeout / 8)
 
 
 def _tag(tag: Any) -> int:

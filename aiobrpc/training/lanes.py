@@ -86,9 +86,16 @@ def stream_id(rank: int) -> int:
     return rank + 1
 
 
-def open_request(group: str, src: int, dst: int) -> bytes:
-    """The baidu_std request frame that opens the lane from `src` to `dst`."""
-    body = pb.LaneRequest(group=group, src=src, dst=dst).SerializeToString()
+EXCHANGES, MESSAGES = 0, 1  # the kinds of lane: each pair of ranks opens one of each
+KINDS = (EXCHANGES, MESSAGES)
+
+
+def open_request(group: str, src: int, dst: int, kind: int = EXCHANGES) -> bytes:
+    """The baidu_std request frame that opens the lane of `kind` from `src` to `dst`."""
+    req = pb.LaneRequest(group=group, src=src, dst=dst)
+    if kind:
+        req.kind = kind
+    body = req.SerializeToString()
     meta = RpcMeta()
     meta.has_request = True
     meta.service_name = SERVICE_NAME
@@ -141,8 +148,8 @@ def _settings(raw: bytes) -> int:
         raise LaneError(str(e)) from None
 
 
-def parse_open_request(meta_bytes: bytes, body: bytes) -> tuple[str, int, int, int]:
-    """(group, src, dst, src's stream id) of a lane request's meta and body."""
+def parse_open_request(meta_bytes: bytes, body: bytes) -> tuple[str, int, int, int, int]:
+    """(group, src, dst, src's stream id, kind) of a lane request's meta and body."""
     meta = _decode(meta_bytes)
     if not meta.has_request or (meta.service_name, meta.method_name) != (SERVICE_NAME, METHOD):
         raise LaneError(f"the lane port takes only {SERVICE_NAME}.{METHOD}, got "
@@ -158,7 +165,9 @@ def parse_open_request(meta_bytes: bytes, body: bytes) -> tuple[str, int, int, i
         raise LaneError(f"an unparsable LaneRequest ({e})") from None
     if not req.IsInitialized():
         raise LaneError("a LaneRequest without its required fields")
-    return req.group, req.src, req.dst, sid
+    if req.kind not in KINDS:
+        raise LaneError(f"a lane of kind {req.kind}, not one of {KINDS}")
+    return req.group, req.src, req.dst, sid, req.kind
 
 
 def parse_open_response(meta_bytes: bytes, body: bytes) -> int:
@@ -268,6 +277,7 @@ class Lanes:
         self.rank = rank
         self.world_size = world_size
         self._lanes: list[Lane | None] = [None] * world_size
+        self.mail: list[Lane | None] = [None] * world_size  # the lanes of messages (lane_messages.py)
         self._listener: socket.socket | None = socket.create_server((host, 0))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._sender: concurrent.futures.ThreadPoolExecutor | None = None
@@ -293,7 +303,8 @@ class Lanes:
             acceptor.start()
         try:
             for peer in range(self.rank + 1, self.world_size):
-                self._connect(peer, addresses[peer], deadline)
+                for kind in KINDS:
+                    self._connect(peer, addresses[peer], deadline, kind)
         except BaseException:
             self.abort(CollectiveError(f"rank {self.rank} could not open its lanes"))
             raise
@@ -306,7 +317,7 @@ class Lanes:
             raise failure[0]
         self._sender = concurrent.futures.ThreadPoolExecutor(1, f"aiobrpc-lanes-send-rank{self.rank}")
 
-    def _connect(self, peer: int, address: str, deadline: Deadline) -> None:
+    def _connect(self, peer: int, address: str, deadline: Deadline, kind: int = EXCHANGES) -> None:
         host, _, port = address.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=max(0.001, deadline.left()))
@@ -316,7 +327,7 @@ class Lanes:
             sock.settimeout(None)  # blocking: the deadlines are the kernel's (_arm)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _arm(sock, socket.SO_SNDTIMEO, deadline)
-            sock.sendall(open_request(self.group_id, self.rank, peer))
+            sock.sendall(open_request(self.group_id, self.rank, peer, kind))
             body_size, meta_size = parse_header(_recv_exact(sock, HEADER, deadline, peer, address),
                                                 b"PRPC", HANDSHAKE_MAX)
             body = _recv_exact(sock, body_size, deadline, peer, address)
@@ -337,15 +348,21 @@ class Lanes:
         except BaseException:
             sock.close()
             raise
-        self._lanes[peer] = Lane(peer, address, sock, stream_id(self.rank), theirs)
+        self._table(kind)[peer] = Lane(peer, address, sock, stream_id(self.rank), theirs)
+
+    def _table(self, kind: int) -> list:
+        return self.mail if kind == MESSAGES else self._lanes
+
+    def _all(self) -> list[Lane]:
+        return [lane for lane in self._lanes + self.mail if lane is not None]
 
     def _accept_all(self, addresses: list[str], deadline: Deadline, failure: list) -> None:
-        waiting = set(range(self.rank))
+        waiting = {(r, kind) for r in range(self.rank) for kind in KINDS}
         try:
             while waiting:
                 left = deadline.left()
                 if left <= 0 or self._aborted is not None:
-                    ranks = sorted(waiting)
+                    ranks = sorted({r for r, _ in waiting})
                     raise CollectiveTimeout(f"rank {self.rank}: ranks {ranks} did not open their lanes "
                                             f"within the group's timeout", tuple(ranks))
                 self._listener.settimeout(min(left, 0.5))
@@ -371,14 +388,14 @@ class Lanes:
             body_size, meta_size = parse_header(_recv_exact(sock, HEADER, hand, -1, who), b"PRPC",
                                                 HANDSHAKE_MAX)
             body = _recv_exact(sock, body_size, hand, -1, who)
-            group, src, dst, theirs = parse_open_request(body[:meta_size], body[meta_size:])
+            group, src, dst, theirs, kind = parse_open_request(body[:meta_size], body[meta_size:])
             if group != self.group_id:
                 raise LaneError(f"a lane request for group {group[:64]!r}, not this group")
             if dst != self.rank:
                 raise LaneError(f"a lane request for rank {dst}, not {self.rank}")
-            if src not in waiting:
-                raise LaneError(f"a lane request from rank {src}, which is not a lower rank still "
-                                "to open its lane")
+            if (src, kind) not in waiting:
+                raise LaneError(f"a lane request from rank {src} (kind {kind}), which is not a lower "
+                                "rank still to open that lane")
             if theirs != stream_id(src):
                 raise LaneError(f"rank {src} offered stream {theirs}, not {stream_id(src)}")
             sock.sendall(open_response(self.rank))
@@ -391,8 +408,8 @@ class Lanes:
                     pass
             sock.close()
             return
-        waiting.discard(src)
-        self._lanes[src] = Lane(src, addresses[src], sock, stream_id(self.rank), theirs)
+        waiting.discard((src, kind))
+        self._table(kind)[src] = Lane(src, addresses[src], sock, stream_id(self.rank), theirs)
 
     def _close_listener(self) -> None:
         with self._lock:
@@ -622,12 +639,11 @@ class Lanes:
         with self._lock:
             if self._aborted is None:
                 self._aborted = err
-        for lane in self._lanes:
-            if lane is not None:
-                try:
-                    lane.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        for lane in self._all():
+            try:
+                lane.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Abort, wait for the sending thread (shut down, its socket calls return at once), then
@@ -637,9 +653,8 @@ class Lanes:
         self._close_listener()
         if self._sender is not None:
             self._sender.shutdown(wait=True)
-        for lane in self._lanes:
-            if lane is not None:
-                lane.sock.close()
+        for lane in self._all():
+            lane.sock.close()
 
 
 def _no_emit(step: int, segment: int, data: Any) -> None:
@@ -709,10 +724,15 @@ def _frames(bufs: list, lane: Lane, seq: int, part: int, message: tuple) -> None
     meta (the first with the descriptor), then its slice of the tensor's bytes (a view)."""
     dtype, numel, buf = message
     data = memoryview(buf).cast("B") if len(buf) else memoryview(b"")
+    frames(bufs, lane, pack_descriptor(seq, part, numel, len(data), dtype), data)
+
+
+def frames(bufs: list, lane: Lane, lead: bytes, data: memoryview) -> None:
+    """Append to `bufs` the DATA frames of a message: `lead` (its descriptor) then `data`,
+    the first frame's header, meta and lead as one buffer, each slice of `data` a view."""
     total = len(data)
-    first = min(total, FRAME_BYTES - DESCRIPTOR)
-    bufs.append(_head(lane.out_meta[first < total], DESCRIPTOR + first)
-                + pack_descriptor(seq, part, numel, total, dtype))
+    first = min(total, FRAME_BYTES - len(lead))
+    bufs.append(_head(lane.out_meta[first < total], len(lead) + first) + lead)
     if first:
         bufs.append(data[:first])
     at = first

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .group import _tag
 from .reduce import ReduceOp
 from .thread import GroupThread
 
@@ -283,6 +284,10 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> AiobrpcWork:
         self._check_rank(dst, "dst")
         views = [t.contiguous() for t in tensors]
+        messages = self.group.messages
+        if messages is not None and len(views) == 1:  # on lanes: written from this thread, no hand-over
+            self._check_peer(dst, "dst")
+            return self._direct(tensors, messages.send(views[0], dst, _tag(tag)))
         return self._work(tensors, [(self.group.send, v, dst, tag) for v in views])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> AiobrpcWork:
@@ -293,8 +298,24 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
         return self._recv(tensors, None, tag)
 
     def _recv(self, tensors: list[torch.Tensor], src: int | None, tag: int) -> AiobrpcWork:
+        messages = self.group.messages
+        if messages is not None and len(tensors) == 1 and tensors[0].is_contiguous():
+            # on lanes: the lane's reader completes the Work, no hand-over to the loop
+            if src is not None:
+                self._check_peer(src, "src")
+            return self._direct(tensors, messages.recv(tensors[0], src, _tag(tag)))
         views, copy_back = _contiguous(tensors)
         return self._work(tensors, [(self.group.recv, v, src, tag) for v in views], copy_back)
+
+    def _direct(self, result: Any, cf: concurrent.futures.Future) -> AiobrpcWork:
+        work = AiobrpcWork(cf, result)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _check_peer(self, rank: int, name: str) -> None:
+        if rank == self.rank():
+            raise ValueError(f"{name} must be another rank of the group, not this one ({rank})")
 
     # -- collectives made of messages ----------------------------------------------------------
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],

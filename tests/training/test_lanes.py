@@ -299,8 +299,10 @@ async def test_the_servers_lane_method_refuses(tmp_path):
 
 
 def test_sans_io_round_trips():
-    g, src, dst, sid = L.parse_open_request(*_split(L.open_request("grp", 2, 5)))
-    assert (g, src, dst, sid) == ("grp", 2, 5, 3)
+    assert L.parse_open_request(*_split(L.open_request("grp", 2, 5))) == ("grp", 2, 5, 3, L.EXCHANGES)
+    assert L.parse_open_request(*_split(L.open_request("grp", 2, 5, L.MESSAGES))) == ("grp", 2, 5, 3, L.MESSAGES)
+    with pytest.raises(L.LaneError, match="kind 7"):
+        L.parse_open_request(*_split(L.open_request("grp", 2, 5, 7)))
     assert L.parse_open_response(*_split(L.open_response(5))) == 6
     with pytest.raises(L.LaneError, match="refused: \\[E1003\\]no"):
         L.parse_open_response(*_split(L.open_response(5, "no")))

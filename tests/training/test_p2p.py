@@ -1,6 +1,7 @@
-"""The point-to-point layer of a Group (p2p.py) and the collectives made of it, ranks in one
-loop: matching, in-place receipt, the caps on what a peer can make a rank hold, hostile and
-mismatched messages, a peer that dies. Every wait is bounded by the group's timeout."""
+"""The point-to-point layer of a Group on calls (p2p.py, `lanes=False`) and the collectives made
+of it, ranks in one loop: matching, in-place receipt, the caps on what a peer can make a rank
+hold, hostile and mismatched messages, a peer that dies. Every wait is bounded by the group's
+timeout. On lanes (the default): test_lane_messages.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ from aiobrpc.training.group import SERVICE
 from aiobrpc.training import p2p as p2p_module
 from aiobrpc.training.p2p import DATA, EAGER, HEADER
 from tests.helpers.waiting import wait_until
-from tests.training.inloop import close_groups as _close, make_groups as _groups
+from tests.training.inloop import close_groups as _close, make_groups
+
+
+def _groups(tmp_path, **options):
+    return make_groups(tmp_path, lanes=False, **options)
+
 
 BOUND = 20  # seconds: no test waits longer for anything
 

@@ -16,7 +16,7 @@ from tests.helpers.waiting import wait_until
 
 async def test_an_announced_message_gets_the_error_of_the_group_that_broke_under_it(tmp_path, caplog):
     store = FileStore(str(tmp_path), timeout=10)
-    g0, g1 = await asyncio.gather(*(Group.create(store, r, 2, timeout=5.0) for r in range(2)))
+    g0, g1 = await asyncio.gather(*(Group.create(store, r, 2, timeout=5.0, lanes=False) for r in range(2)))
     try:
         stub = g0._stub(1)  # rank 0's channel to rank 1, used by hand as a hostile rank would
         header = pb.SendRequest(group=g1.id, src=0, coll=0, tag=0, seq=1, dtype="uint8", numel=1 << 20,

@@ -1,0 +1,795 @@
+"""Point-to-point messages (send, recv from a rank or from any) on lanes of their own.
+
+Each pair of ranks opens a second lane (lanes.py, kind MESSAGES) beside the one of the
+exchanges. Unlike an exchange, whose order every rank knows, a message may come at any time,
+on any tag, before or after its recv: a reader thread per lane reads whatever comes, and
+any thread sends (the torch backend's own, the event loop's), so a message costs no hand-over
+to the loop at either end.
+
+On the wire a message is a lane's STRM DATA frames (lanes.py) whose first payload begins with
+a NOTE: its kind, tag, number on the tag, elements, bytes and dtype name. The kinds:
+- EAGER (data follows): a message of at most `eager_bytes`, sent at once while the sender has
+  credit. A recv already posted receives it in place; else the receiver holds it (one copy)
+  until its recv comes. The receiver gives its credit (`buffer_bytes`) when the lane opens and
+  gives it back (CREDIT) as held bytes are taken: what it holds for a peer never passes
+  `buffer_bytes`, and a peer that sends past its credit breaks the lane.
+- ANNOUNCE (no data): a message without credit or larger than `eager_bytes`; it waits for
+  a GRANT.
+- GRANT (no data; from the receiver): the recv for message (tag, number) is posted, with its
+  dtype, elements and bytes. A recv from a given rank larger than `eager_bytes` grants at once,
+  so a send that comes after it goes in one hop; any other recv grants what was announced when
+  it matches it (a small message comes EAGER unless its sender is out of credit).
+- DATA (data follows): a granted message, received straight into the recv's tensor.
+- REFUSE (no data; from the receiver): the recv for message (tag, number) does not fit it (its
+  dtype, elements and bytes are in the note): the sender's pending send fails.
+- DECLINE (no data; from the sender): the GRANT of message (tag, number) does not fit what it
+  sends (in the note): the granted recv fails.
+- CREDIT (no data): `bytes` more of held messages may come.
+
+Messages from one rank on one tag match their recvs in the order sent (the number), as with
+gloo. What a peer makes this rank keep is bounded: held bytes by the credit, held or announced
+messages and grants by `max_messages` per peer (one more breaks the group, as on calls).
+A note that is not what the protocol allows (an unknown kind, DATA that was not granted, bytes
+past the credit, a message numbered twice) breaks the group naming the peer, logged. A lane
+that closes makes later sends and recvs with that peer fail at once, and those waiting fail
+with the peer's own error (the group asks the peer's Status: its group broke) or, the peer
+gone, one naming it. The group itself goes on: a peer that closes its group after the last
+collective is no error, and a dead one fails the next collective. A recv, or a send waiting
+for its grant, that waits past the group's timeout fails (the group's tick: `expire`); a recv
+from any rank whose ranks do not answer then breaks the group, naming them.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import CollectiveError, CollectiveTimeout
+from .lanes import (FRAME_BYTES, HEADER, INLINE_BYTES, MAX_DTYPE_NAME, MAX_FRAME_META, Lane, LaneError,
+                    check_data_meta, frames, parse_header, _write_now)
+from .p2p import byte_view
+
+log = logging.getLogger(__name__)
+
+EAGER, ANNOUNCE, GRANT, DATA, REFUSE, CREDIT, DECLINE = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {EAGER: "EAGER", ANNOUNCE: "ANNOUNCE", GRANT: "GRANT", DATA: "DATA", REFUSE: "REFUSE",
+              CREDIT: "CREDIT", DECLINE: "DECLINE"}
+_NOTE = struct.Struct("<BBqQqQ")  # kind, dtype name's length, tag, number, elements, bytes
+NOTE = _NOTE.size + MAX_DTYPE_NAME  # 98 bytes, the name zero-padded
+_DISCARD = 1 << 16  # the chunk that bytes nobody takes are read into, then dropped
+_CREDIT_MAX = 1 << 62
+_EMPTY = memoryview(b"")
+
+
+def pack_note(kind: int, tag: int, seq: int, numel: int = 0, nbytes: int = 0, dtype: str = "") -> bytes:
+    name = dtype.encode()
+    if len(name) > MAX_DTYPE_NAME:
+        raise ValueError(f"dtype name {dtype!r} is longer than {MAX_DTYPE_NAME} bytes")
+    return _NOTE.pack(kind, len(name), tag, seq, numel, nbytes) + name.ljust(MAX_DTYPE_NAME, b"\0")
+
+
+def parse_note(raw: bytes) -> tuple[int, int, int, int, int, str]:
+    """(kind, tag, number, elements, bytes, dtype name) of a NOTE; LaneError if malformed."""
+    if len(raw) != NOTE:
+        raise LaneError(f"a note of {len(raw)} bytes, not {NOTE}")
+    kind, n, tag, seq, numel, nbytes = _NOTE.unpack_from(raw)
+    if kind not in KIND_NAMES:
+        raise LaneError(f"a note of unknown kind {kind}")
+    if n > MAX_DTYPE_NAME:
+        raise LaneError(f"a dtype name of {n} bytes, more than {MAX_DTYPE_NAME}")
+    try:
+        name = bytes(raw[_NOTE.size:_NOTE.size + n]).decode("ascii")
+    except UnicodeDecodeError:
+        raise LaneError("a dtype name that is not ASCII") from None
+    if kind != CREDIT and seq < 1:
+        raise LaneError(f"a {KIND_NAMES[kind]} note numbered {seq}")
+    if numel < 0:
+        raise LaneError(f"a {KIND_NAMES[kind]} note of {numel} elements")
+    return kind, tag, seq, numel, nbytes, name
+
+
+class _Recv:
+    """A posted recv: where the message goes and the future of the rank it came from."""
+
+    __slots__ = ("src", "tag", "seq", "dtype", "numel", "buf", "future", "at", "granted", "abandoned")
+
+    def __init__(self, src: int | None, tag: int, dtype: str, numel: int, buf: np.ndarray, at: float) -> None:
+        self.src = src  # None: from any rank until matched
+        self.tag = tag
+        self.seq = 0
+        self.dtype, self.numel, self.buf = dtype, numel, buf
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.at = at  # when it times out
+        self.granted = False  # a GRANT went to its source: DATA may come
+        self.abandoned = False  # timed out after its GRANT: what still comes for it is dropped
+
+    def describe(self) -> str:
+        src = "any rank" if self.src is None else f"rank {self.src}"
+        return f"recv from {src} (tag {self.tag}) of {self.numel} {self.dtype}"
+
+    def fits(self, dtype: str, numel: int, nbytes: int) -> str:
+        if dtype != self.dtype or numel != self.numel or nbytes != self.buf.nbytes:
+            return (f"it sent {numel} {dtype} ({nbytes} bytes), the recv takes {self.numel} {self.dtype} "
+                    f"({self.buf.nbytes} bytes)")
+        return ""
+
+
+class _Send:
+    """An announced send waiting for its GRANT."""
+
+    __slots__ = ("dst", "tag", "seq", "dtype", "numel", "data", "future", "at")
+
+    def __init__(self, dst: int, tag: int, seq: int, dtype: str, numel: int, data: memoryview,
+                 future: concurrent.futures.Future, at: float) -> None:
+        self.dst, self.tag, self.seq = dst, tag, seq
+        self.dtype, self.numel, self.data = dtype, numel, data
+        self.future = future
+        self.at = at
+
+    def describe(self) -> str:
+        return f"send to rank {self.dst} (tag {self.tag}) of {self.numel} {self.dtype}"
+
+
+class _Held:
+    """A message that came (EAGER: its bytes held) or was announced before its recv."""
+
+    __slots__ = ("seq", "dtype", "numel", "nbytes", "data")
+
+    def __init__(self, seq: int, dtype: str, numel: int, nbytes: int, data: np.ndarray | None) -> None:
+        self.seq, self.dtype, self.numel, self.nbytes, self.data = seq, dtype, numel, nbytes, data
+
+
+class _Peer:
+    """What this rank keeps about the message lane to one peer."""
+
+    __slots__ = ("lane", "meta_size", "credit", "held_bytes", "unmatched", "grants", "owed", "queued", "lost",
+                 "reader", "filling")
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        sizes = {len(meta) for meta in lane.in_meta}
+        if len(sizes) != 1:
+            raise ValueError(f"the lane's DATA metas differ in size: {sizes}")
+        self.meta_size = sizes.pop()  # an honest peer's, last frame or not
+        self.credit = 0  # bytes of EAGER messages this rank may still send it (it gives them)
+        self.held_bytes = 0  # bytes of its EAGER messages held here, no recv having taken them
+        self.unmatched = 0  # its messages held or announced here with no recv
+        self.grants = 0  # its GRANTs kept here for sends this rank has not made yet
+        self.owed = 0  # credit taken here and not yet given back
+        self.queued = 0  # writes to it handed to the writing thread and not yet done
+        self.lost: CollectiveError | None = None
+        self.reader: threading.Thread | None = None
+        self.filling: _Recv | None = None  # the recv its reader is reading into
+
+class LaneMessages:
+    """The point-to-point layer of one rank on its message lanes (made by the group once they
+    are open). `send` and `recv` may be called from any thread; they give concurrent futures.
+
+    `report(err, fatal)` is called (from a reader thread) when a peer broke the protocol
+    (fatal: the group breaks) or its lane closed."""
+
+    def __init__(self, rank: int, world_size: int, lanes: list[Lane | None], addresses: list[str], *,
+                 timeout: float, eager_bytes: int, buffer_bytes: int, max_messages: int,
+                 report: Callable[[CollectiveError, bool], None]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.addresses = addresses
+        self.timeout = timeout
+        self.eager_bytes = eager_bytes
+        self.buffer_bytes = buffer_bytes
+        self.max_messages = max_messages
+        self._report = report
+        self._peers: list[_Peer | None] = [None if lane is None else _Peer(lane) for lane in lanes]
+        self._lock = threading.Lock()
+        # Keyed by this rank's own tags (the sends and recvs its program makes): a peer's notes
+        # add entries only to the tables counted against it (unmatched, grants).
+        self._send_seq: dict[tuple[int, int], int] = {}  # (dst, tag) -> the last number sent
+        self._next_match: dict[tuple[int, int], int] = {}  # (src, tag) -> the number the next recv takes
+        self._recvs: dict[tuple[int, int, int], _Recv] = {}  # (src, tag, number): posted and granted
+        self._any: dict[int, collections.deque] = {}  # tag -> recvs from any rank, oldest first
+        # tag -> {(src, number): _Held}, in arrival order (a recv from any takes the first)
+        self._unmatched: dict[int, dict[tuple[int, int], _Held]] = {}
+        self._pending: dict[tuple[int, int, int], _Send] = {}  # (dst, tag, number): announced
+        self._grants: dict[tuple[int, int, int], tuple[str, int, int]] = {}  # (src, tag, number)
+        self._broken: CollectiveError | None = None
+        self._writes: collections.deque = collections.deque()
+        self._wake = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        self.placed = 0  # messages received straight into their recv's tensor
+        self.held = 0  # messages held until their recv came
+
+    # -- starting and ending -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the reader and writing threads and give every peer its credit."""
+        self._writer = threading.Thread(target=self._write_loop, name=f"aiobrpc-mail-send-rank{self.rank}",
+                                        daemon=True)
+        self._writer.start()
+        for peer in self._peers:
+            if peer is None:
+                continue
+            # no deadline on a lane's reads: messages come when they come (the handshake's is reset)
+            peer.lane.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(0, 0))
+            peer.reader = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
+                                           name=f"aiobrpc-mail-read-rank{self.rank}-from{peer.lane.peer}")
+            peer.reader.start()
+            if self.buffer_bytes:
+                with self._lock:
+                    self._note(peer, pack_note(CREDIT, 0, 0, 0, self.buffer_bytes))
+
+    def fail_all(self, err: CollectiveError) -> None:
+        """The group broke: every pending send and recv fails with `err`, held data is dropped,
+        and later calls raise it. The lanes' sockets are the group's to shut."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = err
+            futures = [r.future for r in self._recvs.values()]
+            futures += [r.future for q in self._any.values() for r in q]
+            futures += [s.future for s in self._pending.values()]
+            futures += [f for _, _, f in self._writes if f is not None]
+            self._writes.clear()
+            futures += [p.filling.future for p in self._peers if p is not None and p.filling is not None]
+            self._recvs.clear()
+            self._any.clear()
+            self._unmatched.clear()
+            self._pending.clear()
+            self._grants.clear()
+            for peer in self._peers:
+                if peer is not None:
+                    peer.held_bytes = peer.unmatched = peer.grants = 0
+            self._wake.notify_all()
+        for f in futures:
+            _settle(f, err)
+
+    def fail_peer(self, rank: int, err: CollectiveError) -> None:
+        """The lane to `rank` is lost: the recvs from it and the sends to it that wait fail
+        with `err`; what it left here is dropped. Recvs from any rank wait on (another rank
+        may send), as do sends and recvs with other ranks."""
+        with self._lock:
+            peer = self._peers[rank]
+            peer.lost = err  # later sends and recvs say why too
+            futures = [r.future for k, r in self._recvs.items() if k[0] == rank and not r.abandoned]
+            if peer.filling is not None:
+                futures.append(peer.filling.future)
+            for k in [k for k in self._recvs if k[0] == rank]:
+                del self._recvs[k]
+            futures += [self._pending.pop(k).future for k in [k for k in self._pending if k[0] == rank]]
+            for k in [k for k in self._grants if k[0] == rank]:
+                del self._grants[k]
+            for tag in list(self._unmatched):
+                for k in [k for k in self._unmatched[tag] if k[0] == rank]:
+                    del self._unmatched[tag][k]
+                self._drop_if_empty(tag)
+            peer.held_bytes = peer.unmatched = peer.grants = 0
+        for f in futures:
+            _settle(f, err)
+
+    def join(self, timeout: float = 5.0) -> None:
+        """Wait for the threads (after fail_all and the lanes' shutdown, they end at once)."""
+        end = time.monotonic() + timeout
+        for t in [self._writer] + [p.reader for p in self._peers if p is not None]:
+            if t is not None and t is not threading.current_thread():
+                t.join(max(0.0, end - time.monotonic()))
+
+    # -- the caller's side ---------------------------------------------------------------------
+    def send(self, tensor: Any, dst: int, tag: int) -> concurrent.futures.Future:
+        """Send `tensor` to rank `dst` on `tag`: done once written to the lane (its memory may
+        be reused), or failed if the recv does not fit it."""
+        dtype, numel, _, buf = byte_view(tensor, "send tensor")
+        data = memoryview(buf).cast("B") if buf.nbytes else memoryview(b"")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        settle: list = []
+        with self._lock:
+            peer = self._usable(dst)
+            key = (dst, tag)
+            seq = self._send_seq[key] = self._send_seq.get(key, 0) + 1
+            grant = self._grants.pop((dst, tag, seq), None)
+            if grant is not None:
+                peer.grants -= 1
+                self._granted(peer, _Send(dst, tag, seq, dtype, numel, data, future, 0.0), grant, settle)
+            elif len(data) <= self.eager_bytes and peer.credit >= len(data):
+                peer.credit -= len(data)
+                bufs: list = []
+                frames(bufs, peer.lane, pack_note(EAGER, tag, seq, numel, len(data), dtype), data)
+                self._write(peer, bufs, future)
+            else:
+                self._pending[(dst, tag, seq)] = _Send(dst, tag, seq, dtype, numel, data, future,
+                                                       time.monotonic() + self.timeout)
+                self._note(peer, pack_note(ANNOUNCE, tag, seq, numel, len(data), dtype))
+        _settle_all(settle)
+        return future
+
+    def recv(self, tensor: Any, src: int | None, tag: int) -> concurrent.futures.Future:
+        """Receive into `tensor` the next message on `tag` from `src` (None: any rank); the
+        future gives the source rank."""
+        dtype, numel, _, buf = byte_view(tensor, "recv tensor")
+        r = _Recv(src, tag, dtype, numel, buf, time.monotonic() + self.timeout)
+        settle: list = []
+        with self._lock:
+            if src is not None:
+                peer = self._usable(src)
+                seq = self._next_match.get((src, tag), 1)
+                self._next_match[(src, tag)] = seq + 1
+                r.seq = seq
+                queue = self._unmatched.get(tag)
+                held = queue.pop((src, seq), None) if queue else None
+                if held is not None:
+                    self._drop_if_empty(tag)
+                    self._bind(peer, r, held, settle)
+                elif r.buf.nbytes > self.eager_bytes:
+                    self._grant(peer, r)  # granted now, the send that comes later goes in one hop
+                else:  # a message this small comes EAGER (or is announced, then granted)
+                    self._recvs[(src, tag, seq)] = r
+            else:
+                self._usable(None)
+                for (s, seq), held in self._unmatched.get(tag, {}).items():
+                    if seq == self._next_match.get((s, tag), 1):
+                        del self._unmatched[tag][(s, seq)]
+                        self._drop_if_empty(tag)
+                        self._next_match[(s, tag)] = seq + 1
+                        r.src, r.seq = s, seq
+                        self._bind(self._peers[s], r, held, settle)
+                        break
+                else:
+                    self._any.setdefault(tag, collections.deque()).append(r)
+        _settle_all(settle)
+        return r.future
+
+    def _usable(self, rank: int | None) -> _Peer | None:
+        if self._broken is not None:
+            raise self._broken
+        if rank is None:
+            return None
+        peer = self._peers[rank]
+        if peer.lost is not None:
+            raise peer.lost
+        return peer
+
+    def _grant(self, peer: _Peer, r: _Recv) -> None:
+        """Post recv `r` (numbered) for its source and tell the source it may send."""
+        self._recvs[(r.src, r.tag, r.seq)] = r
+        r.granted = True
+        self._note(peer, pack_note(GRANT, r.tag, r.seq, r.numel, r.buf.nbytes, r.dtype))
+
+    def _bind(self, peer: _Peer, r: _Recv, held: _Held, settle: list) -> None:
+        """Match recv `r` to a message that came or was announced before it."""
+        peer.unmatched -= 1
+        why = r.fits(held.dtype, held.numel, held.nbytes)
+        if held.data is not None:
+            peer.held_bytes -= held.nbytes
+            self._give_back(peer, held.nbytes)
+            if why:
+                self._refuse(peer, r, why, settle)
+            else:
+                r.buf[:] = held.data
+                settle.append((r.future, r.src))
+            return
+        if why:  # announced: the sender waits; it learns why
+            self._refuse(peer, r, why, settle)
+            return
+        self._grant(peer, r)
+
+    def _refuse(self, peer: _Peer, r: _Recv, why: str, settle: list) -> None:
+        err = self._mismatch(r.describe(), r.src, why)
+        self._note(peer, pack_note(REFUSE, r.tag, r.seq, r.numel, r.buf.nbytes, r.dtype))
+        settle.append((r.future, err))
+
+    def _mismatch(self, what: str, other: int, why: str) -> CollectiveError:
+        msg = f"{what} on rank {self.rank} does not fit rank {other}'s: {why}"
+        log.warning("aiobrpc message lanes: %s", msg)
+        return CollectiveError(msg, (other, self.rank))
+
+    def _granted(self, peer: _Peer, s: _Send, grant: tuple[str, int, int], settle: list) -> None:
+        """Send `s` now that its recv is posted: its DATA, or its refusal if the recv does not
+        fit it (both ends fail, each saying why)."""
+        dtype, numel, nbytes = grant
+        if (dtype, numel, nbytes) != (s.dtype, s.numel, len(s.data)):
+            why = (f"the recv takes {numel} {dtype} ({nbytes} bytes), it sends {s.numel} {s.dtype} "
+                   f"({len(s.data)} bytes)")
+            settle.append((s.future, self._mismatch(s.describe(), s.dst, why)))
+            self._note(peer, pack_note(DECLINE, s.tag, s.seq, s.numel, len(s.data), s.dtype))
+            return
+        bufs: list = []
+        frames(bufs, peer.lane, pack_note(DATA, s.tag, s.seq, s.numel, len(s.data), s.dtype), s.data)
+        self._write(peer, bufs, s.future)
+
+    def _give_back(self, peer: _Peer, nbytes: int) -> None:
+        peer.owed += nbytes
+        if peer.owed and peer.owed >= max(1, self.buffer_bytes // 8):
+            self._note(peer, pack_note(CREDIT, 0, 0, 0, peer.owed))
+            peer.owed = 0
+
+    def _drop_if_empty(self, tag: int) -> None:
+        if not self._unmatched.get(tag, True):
+            del self._unmatched[tag]
+
+    # -- timeouts (the group calls this on its loop, every tick) --------------------------------
+    def expire(self, now: float | None = None) -> list[_Recv]:
+        """Take out what waited past the timeout: the recvs, given back (the group diagnoses
+        their source, then fails them; a granted one stays, abandoned, to drop what may still
+        come for it), and the sends no recv was posted for (failed here)."""
+        now = time.monotonic() if now is None else now
+        recvs: list[_Recv] = []
+        settle: list = []
+        with self._lock:
+            for r in self._recvs.values():
+                if not r.abandoned and r.at <= now:
+                    r.abandoned = True  # its tensor is the caller's again: nothing goes into it
+                    recvs.append(r)
+                    r.buf = None
+            for src, r in [(p.lane.peer, p.filling) for p in self._peers if p is not None and p.filling]:
+                if not r.abandoned and r.at <= now:  # its sender stopped mid-message: the lane is stuck
+                    r.abandoned = True
+                    recvs.append(r)
+                    log.warning("aiobrpc message lane from rank %d to rank %d: a message stopped coming "
+                                "for %g s; the lane is shut", src, self.rank, self.timeout)
+                    with contextlib.suppress(OSError):
+                        self._peers[src].lane.sock.shutdown(socket.SHUT_RDWR)
+            for tag, q in list(self._any.items()):
+                for r in [r for r in q if r.at <= now]:
+                    q.remove(r)
+                    recvs.append(r)
+                if not q:
+                    del self._any[tag]
+            for key, s in list(self._pending.items()):
+                if s.at <= now:
+                    del self._pending[key]
+                    settle.append((s.future, CollectiveTimeout(
+                        f"{s.describe()} timed out after {self.timeout:g} s on rank {self.rank}: rank {s.dst} "
+                        f"({self.addresses[s.dst]}) posted no recv for it", (s.dst,))))
+        _settle_all(settle)
+        return recvs
+
+    # -- writing -------------------------------------------------------------------------------
+    def _note(self, peer: _Peer, note: bytes) -> None:
+        """(Under the lock.) Write a note without data: one frame."""
+        bufs: list = []
+        frames(bufs, peer.lane, note, _EMPTY)
+        self._write(peer, bufs, None)
+
+    def _write(self, peer: _Peer, bufs: list, future: concurrent.futures.Future | None) -> None:
+        """(Under the lock.) Write `bufs` to the peer's lane after what was written before:
+        here what the socket takes at once when nothing waits for the writing thread and it is
+        small, the rest by the writing thread. `future` is done once all is written."""
+        if peer.lost is not None:
+            if future is not None:
+                _settle(future, peer.lost)
+            return
+        if not peer.queued and sum(len(b) for b in bufs) <= INLINE_BYTES:
+            try:
+                bufs = _write_now(peer.lane.sock, bufs)
+            except OSError:  # the writing thread meets it again and says what it means
+                pass
+            if not bufs:
+                if future is not None:
+                    _settle(future, None)
+                return
+        peer.queued += 1
+        self._writes.append((peer, bufs, future))
+        self._wake.notify()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._writes and self._broken is None:
+                    self._wake.wait()
+                if not self._writes:
+                    return
+                peer, bufs, future = self._writes.popleft()
+            error = None
+            try:
+                sock = peer.lane.sock
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
+                for b in bufs:
+                    sock.sendall(b)
+            except OSError as e:
+                error = e
+            lost = False
+            with self._lock:
+                peer.queued -= 1
+                if error is not None:
+                    lost = self._lost_locked(peer, error)
+            if future is not None:
+                _settle(future, (peer.lost or self._broken) if error is not None else None)
+            if lost:
+                self._report(peer.lost, False)
+
+    # -- reading (a thread per peer) -----------------------------------------------------------
+    def _read_loop(self, peer: _Peer) -> None:
+        lane = peer.lane
+        try:
+            while True:
+                self._read_one(peer, lane)
+        except LaneError as e:
+            self._broke(peer, e)
+        except OSError as e:
+            with self._lock:
+                lost = self._lost_locked(peer, e)
+            if lost:
+                self._report(peer.lost, False)
+        except Exception as e:  # a defect: this lane cannot go on, and the group must know
+            log.exception("aiobrpc message lane from rank %d: reader failed", lane.peer)
+            self._broke(peer, LaneError(f"the reader failed: {e!r}"))
+
+    def _read_one(self, peer: _Peer, lane: Lane) -> None:
+        sock, m = lane.sock, peer.meta_size
+        raw = _read(sock, HEADER + m + NOTE)  # one read: a first frame's meta is the lane's, its size known
+        body, meta_size = parse_header(raw[:HEADER], b"STRM", MAX_FRAME_META + NOTE + FRAME_BYTES)
+        if meta_size != m or body - meta_size < NOTE:
+            raise LaneError(f"a frame of {body} bytes with a {meta_size}-byte meta, where this lane's first "
+                            f"frames have a {m}-byte meta and a {NOTE}-byte note")
+        continues = _continues(lane, raw[HEADER:HEADER + m])
+        kind, tag, seq, numel, nbytes, dtype = parse_note(raw[HEADER + m:])
+        first = body - meta_size - NOTE
+        if kind not in (EAGER, DATA):
+            if first or continues:
+                raise LaneError(f"a {KIND_NAMES[kind]} note with data")
+            settle: list = []
+            with self._lock:
+                self._control(peer, kind, tag, seq, numel, nbytes, dtype, settle)
+            _settle_all(settle)
+            return
+        settle = []
+        with self._lock:
+            into, r = self._arrival(peer, kind, tag, seq, numel, nbytes, dtype, settle)
+        _settle_all(settle)
+        _read_message(lane, into, nbytes, first, continues)
+        if r is not None:
+            peer.filling = None
+            _settle(r.future, r.src)
+
+    def _arrival(self, peer: _Peer, kind: int, tag: int, seq: int, numel: int, nbytes: int, dtype: str,
+                 settle: list) -> tuple[Any, _Recv | None]:
+        """(Under the lock.) Where an EAGER or DATA message's bytes go: a recv's tensor (and
+        the recv, completed once they are in), a held buffer, or None (read and dropped)."""
+        src = peer.lane.peer
+        key = (src, tag, seq)
+        r = self._recvs.get(key)
+        if kind == DATA:
+            if r is None or not r.granted:
+                raise LaneError(f"DATA for message #{seq} on tag {tag}, which this rank did not grant")
+            del self._recvs[key]
+            if r.abandoned:
+                return None, None
+            if r.fits(dtype, numel, nbytes):
+                raise LaneError(f"DATA of {numel} {dtype} ({nbytes} bytes) for a recv granted as "
+                                f"{r.numel} {r.dtype} ({r.buf.nbytes} bytes)")
+            self.placed += 1
+            peer.filling = r
+            return r.buf, r
+        # EAGER: sent on credit, which is given back whatever becomes of it
+        if r is None and seq == self._next_match.get((src, tag), 1) and self._any.get(tag):
+            r = self._any[tag].popleft()
+            if not self._any[tag]:
+                del self._any[tag]
+            r.src, r.seq = src, seq
+            self._next_match[(src, tag)] = seq + 1
+        elif r is not None:
+            del self._recvs[key]
+        if r is not None:
+            self._give_back(peer, nbytes)
+            if r.abandoned:
+                return None, None
+            why = r.fits(dtype, numel, nbytes)
+            if why:
+                self._refuse(peer, r, why, settle)
+                return None, None
+            self.placed += 1
+            peer.filling = r
+            return r.buf, r
+        self._check_new(peer, tag, seq)
+        if peer.held_bytes + nbytes > self.buffer_bytes:
+            raise LaneError(f"an EAGER message of {nbytes} bytes past the credit given ({peer.held_bytes} "
+                            f"of {self.buffer_bytes} bytes already held)")
+        data = np.empty(nbytes, np.uint8)
+        peer.held_bytes += nbytes
+        self._hold(peer, tag, _Held(seq, dtype, numel, nbytes, data))
+        self.held += 1
+        return data, None
+
+    def _check_new(self, peer: _Peer, tag: int, seq: int) -> None:
+        src = peer.lane.peer
+        if seq < self._next_match.get((src, tag), 1) or (src, seq) in self._unmatched.get(tag, ()):
+            raise LaneError(f"message #{seq} on tag {tag} came twice")
+        if peer.unmatched >= self.max_messages:
+            raise LaneError(f"rank {self.rank} already holds {self.max_messages} messages from rank {src} "
+                            "that no recv has taken (max_messages)")
+
+    def _hold(self, peer: _Peer, tag: int, held: _Held) -> None:
+        peer.unmatched += 1
+        self._unmatched.setdefault(tag, {})[(peer.lane.peer, held.seq)] = held
+
+    def _control(self, peer: _Peer, kind: int, tag: int, seq: int, numel: int, nbytes: int, dtype: str,
+                 settle: list) -> None:
+        """(Under the lock.) A note without data."""
+        src = peer.lane.peer
+        if kind == CREDIT:
+            peer.credit = min(_CREDIT_MAX, peer.credit + nbytes)
+        elif kind == GRANT:
+            s = self._pending.pop((src, tag, seq), None)
+            if s is not None:
+                self._granted(peer, s, (dtype, numel, nbytes), settle)
+            elif seq > self._send_seq.get((src, tag), 0):  # a recv posted before its send
+                if (src, tag, seq) in self._grants:
+                    raise LaneError(f"message #{seq} on tag {tag} was granted twice")
+                if peer.grants >= self.max_messages:
+                    raise LaneError(f"rank {src} granted more than {self.max_messages} messages that rank "
+                                    f"{self.rank} has not sent (max_messages)")
+                self._grants[(src, tag, seq)] = (dtype, numel, nbytes)
+                peer.grants += 1
+            # else: the message went (EAGER) before the grant came
+        elif kind == REFUSE:
+            s = self._pending.pop((src, tag, seq), None)
+            why = f"the recv takes {numel} {dtype} ({nbytes} bytes)"
+            if s is not None:
+                why += f", it sends {s.numel} {s.dtype} ({len(s.data)} bytes)"
+                settle.append((s.future, self._mismatch(s.describe(), src, why)))
+            else:  # sent before its recv was posted: the sender's part is done
+                log.warning("aiobrpc message lanes: rank %d refused rank %d's message #%d on tag %d, sent "
+                            "already: %s", src, self.rank, seq, tag, why)
+        elif kind == DECLINE:
+            r = self._recvs.get((src, tag, seq))
+            if r is None or not r.granted:
+                raise LaneError(f"DECLINE of message #{seq} on tag {tag}, which this rank did not grant")
+            del self._recvs[(src, tag, seq)]
+            if not r.abandoned:
+                settle.append((r.future, self._mismatch(r.describe(), src, f"it sends {numel} {dtype} ({nbytes} "
+                                                        f"bytes), the recv takes {r.numel} {r.dtype} "
+                                                        f"({r.buf.nbytes} bytes)")))
+        else:  # ANNOUNCE
+            r = self._recvs.get((src, tag, seq))
+            if r is not None:
+                if not r.granted:  # a small recv posted before: granted now
+                    if r.abandoned:  # it timed out: no recv takes the message, its send times out
+                        del self._recvs[(src, tag, seq)]
+                        return
+                    why = r.fits(dtype, numel, nbytes)
+                    if why:
+                        del self._recvs[(src, tag, seq)]
+                        self._refuse(peer, r, why, settle)
+                    else:
+                        self._grant(peer, r)
+                return  # granted already, or abandoned: DATA comes (or is dropped)
+            if seq == self._next_match.get((src, tag), 1) and self._any.get(tag):
+                r = self._any[tag].popleft()
+                if not self._any[tag]:
+                    del self._any[tag]
+                r.src, r.seq = src, seq
+                self._next_match[(src, tag)] = seq + 1
+                peer.unmatched += 1  # _bind counts it out
+                self._bind(peer, r, _Held(seq, dtype, numel, nbytes, None), settle)
+                return
+            self._check_new(peer, tag, seq)
+            self._hold(peer, tag, _Held(seq, dtype, numel, nbytes, None))
+
+    # -- a peer lost or broken -----------------------------------------------------------------
+    def _broke(self, peer: _Peer, e: LaneError) -> None:
+        src = peer.lane.peer
+        err = CollectiveError(f"rank {src} ({self.addresses[src]}) broke the message lane protocol: {e}",
+                              (src,))
+        log.warning("aiobrpc message lane from rank %d to rank %d: %s", src, self.rank, e)
+        with self._lock:
+            if self._broken is None and peer.lost is None:
+                peer.lost = err
+        with contextlib.suppress(OSError):
+            peer.lane.sock.shutdown(socket.SHUT_RDWR)
+        self._report(err, True)
+
+    def _lost_locked(self, peer: _Peer, e: OSError) -> bool:
+        """(Under the lock.) The lane to `peer` closed or its writes stalled past the timeout:
+        later sends and recvs with that peer fail at once. What waits on it fails once the
+        group has asked the peer why (`fail_peer`): the caller reports it (True) once it lets go
+        of the lock."""
+        if peer.lost is not None or self._broken is not None:
+            return False
+        src = peer.lane.peer
+        if isinstance(e, (TimeoutError, BlockingIOError)):
+            why = f"did not read what rank {self.rank} sent it within {self.timeout:g} s"
+        else:
+            why = f"closed its message lane or is gone (seen on rank {self.rank}: {e})"
+        peer.lost = CollectiveError(f"rank {src} ({self.addresses[src]}) {why}", (src,))
+        return True
+
+    # -- what tests and the group read ---------------------------------------------------------
+    def held_bytes(self) -> list[int]:
+        return [0 if p is None else p.held_bytes for p in self._peers]
+
+    def unmatched_count(self) -> list[int]:
+        return [0 if p is None else p.unmatched for p in self._peers]
+
+    def credit(self, rank: int) -> int:
+        return self._peers[rank].credit
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    got = sock.recv(n, socket.MSG_WAITALL)
+    if len(got) == n:
+        return got
+    if not got:
+        raise ConnectionResetError("the peer closed the connection")
+    rest = bytearray(n - len(got))
+    _read_into(sock, memoryview(rest))
+    return got + rest
+
+
+def _read_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        if not k:
+            raise ConnectionResetError("the peer closed the connection")
+        got += k
+
+
+def _read_message(lane: Lane, into: Any, nbytes: int, first: int, continues: bool) -> None:
+    """Read a message's `nbytes` bytes: `first` of them in the frame already begun, the rest in
+    the frames that follow; into `into` (a uint8 array of nbytes) or, when None, dropped."""
+    sock = lane.sock
+    view = memoryview(into).cast("B") if into is not None and nbytes else None
+    scratch = None if view is not None or not nbytes else memoryview(bytearray(min(nbytes, _DISCARD)))
+    got, payload = 0, first
+    while True:
+        if payload > nbytes - got:
+            raise LaneError(f"{payload} more bytes where {nbytes - got} are left of the message")
+        if continues and not payload:
+            raise LaneError("an empty frame that says more follow")
+        if view is not None:
+            _read_into(sock, view[got:got + payload])
+        else:
+            left = payload
+            while left:
+                k = min(left, len(scratch))
+                _read_into(sock, scratch[:k])
+                left -= k
+        got += payload
+        if not continues:
+            break
+        body, meta_size = parse_header(_read(sock, HEADER), b"STRM", MAX_FRAME_META + FRAME_BYTES)
+        if meta_size > MAX_FRAME_META:
+            raise LaneError(f"a DATA frame with a {meta_size}-byte meta")
+        continues = _continues(lane, _read(sock, meta_size))
+        payload = body - meta_size
+    if got != nbytes:
+        raise LaneError(f"the message ended after {got} of its {nbytes} bytes")
+
+
+def _continues(lane: Lane, meta: bytes) -> bool:
+    """A DATA frame's has_continuation; its meta must be the lane's (an honest peer's is
+    recognised without parsing)."""
+    continues = lane.in_meta.get(meta)
+    if continues is None:
+        continues = check_data_meta(meta, lane.mine, lane.theirs)
+    return continues
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
+def _timeval(seconds: float) -> bytes:
+    sec = int(seconds)
+    return _TIMEVAL.pack(sec, max(1, int((seconds - sec) * 1e6)) if sec == 0 else int((seconds - sec) * 1e6))
+
+
+def _settle(future: concurrent.futures.Future, value: Any) -> None:
+    if future.done():
+        return
+    try:
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:  # settled by another thread meanwhile
+        pass
+
+
+def _settle_all(settle: list) -> None:
+    for future, value in settle:
+        _settle(future, value)

@@ -1,0 +1,470 @@
+"""send/recv on a group's message lanes (lane_messages.py): matching in order per tag and from
+any rank, in place, eager on credit or announced then granted; what a peer can make a rank
+hold is bounded (credit, max_messages); a recv that does not fit fails (and its sender where it
+still waits); a hostile peer's notes break its lane and the group, naming it, logged; a peer
+that stops mid-message or dies fails what waits on it within the group's timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from aiobrpc.protocol import streaming
+from aiobrpc.training import CollectiveError, CollectiveTimeout
+from aiobrpc.training import lane_messages as M
+from aiobrpc.training import lanes as L
+from tests.helpers.waiting import wait_until
+from tests.training.inloop import close_groups as _close, make_groups as _groups
+
+BOUND = 20
+
+
+def _wait(aw, t=BOUND):
+    return asyncio.wait_for(aw, t)
+
+
+# -- sans-IO -----------------------------------------------------------------------------------
+
+def test_notes_round_trip_and_malformed_ones_are_refused():
+    raw = M.pack_note(M.EAGER, -5, 7, 3, 12, "bfloat16")
+    assert len(raw) == M.NOTE
+    assert M.parse_note(raw) == (M.EAGER, -5, 7, 3, 12, "bfloat16")
+    assert M.parse_note(M.pack_note(M.CREDIT, 0, 0, 0, 1 << 20))[4] == 1 << 20
+    with pytest.raises(ValueError):
+        M.pack_note(M.EAGER, 0, 1, 1, 1, "x" * 65)
+    bad = {
+        "unknown kind": M.pack_note(M.EAGER, 0, 1, 1, 1, "uint8").replace(b"\x01", b"\x09", 1),
+        "name past its field": raw[:1] + bytes([200]) + raw[2:],
+        "not ascii": raw[:34] + b"\xff" + raw[35:],
+        "numbered 0": M.pack_note(M.ANNOUNCE, 0, 0, 1, 1, "uint8"),
+        "negative elements": M.pack_note(M.GRANT, 0, 1, -1, 1, "uint8"),
+        "short": raw[:-1],
+    }
+    for name, note in bad.items():
+        with pytest.raises(L.LaneError):
+            M.parse_note(note)
+        assert name
+
+
+# -- one rank's LaneMessages against peers played by hand ------------------------------------
+
+class _Rank0:
+    """Rank 0's LaneMessages whose lanes to ranks 1.. are socket pairs; the tests write the
+    peers' frames on the other ends."""
+
+    def __init__(self, world=3, **options):
+        lanes, self.ends, self.peer_lanes = [None], [None], [None]
+        for p in range(1, world):
+            a, b = socket.socketpair()
+            lanes.append(L.Lane(p, f"peer{p}", a, L.stream_id(0), L.stream_id(p)))
+            self.peer_lanes.append(L.Lane(0, "rank0", b, L.stream_id(p), L.stream_id(0)))
+            self.ends.append(b)
+        self.reports = []
+        opts = dict(timeout=5.0, eager_bytes=64, buffer_bytes=256, max_messages=4)
+        opts.update(options)
+        self.m = M.LaneMessages(0, world, lanes, ["rank0"] + [f"peer{p}" for p in range(1, world)],
+                                report=lambda e, fatal: self.reports.append((e, fatal)), **opts)
+        self.m.start()
+
+    def write(self, p, kind, tag=0, seq=1, numel=0, nbytes=0, dtype="", data=b""):
+        bufs = []
+        L.frames(bufs, self.peer_lanes[p], M.pack_note(kind, tag, seq, numel, nbytes, dtype), memoryview(data))
+        self.ends[p].sendall(b"".join(bytes(b) for b in bufs))
+
+    def notes(self, p, timeout=5.0):
+        """The notes rank 0 wrote to peer p so far (kind, tag, seq, numel, nbytes, dtype), data skipped."""
+        out, sock = [], self.ends[p]
+        sock.settimeout(0.3)
+        end = time.monotonic() + timeout
+        buf = b""
+        while time.monotonic() < end:
+            try:
+                chunk = sock.recv(1 << 20)
+            except (TimeoutError, BlockingIOError):
+                break
+            if not chunk:
+                break
+            buf += chunk
+        at = 0
+        while at + 12 <= len(buf):
+            body, meta = L.parse_header(buf[at:at + 12], b"STRM", 1 << 31)
+            out.append(M.parse_note(buf[at + 12 + meta:at + 12 + meta + M.NOTE]))
+            at += 12 + body
+        return out
+
+    def close(self):
+        self.m.fail_all(CollectiveError("test over"))
+        for p in range(1, len(self.ends)):
+            with contextlib.suppress(OSError):
+                self.m._peers[p].lane.sock.shutdown(socket.SHUT_RDWR)
+        self.m.join()
+        for p in range(1, len(self.ends)):
+            self.ends[p].close()
+            self.m._peers[p].lane.sock.close()
+
+
+def test_credit_is_given_at_start_and_eager_messages_land_in_place_or_are_held():
+    r0 = _Rank0()
+    try:
+        assert (M.CREDIT, 0, 0, 0, 256, "") in r0.notes(1, 1.0)
+        out = np.zeros(4, np.float32)
+        got = r0.m.recv(out, 1, 0)
+        data = np.arange(4, dtype=np.float32).tobytes()
+        r0.write(1, M.EAGER, 0, 1, 4, 16, "float32", data)
+        assert got.result(5) == 1 and out.tolist() == [0, 1, 2, 3]
+        r0.write(1, M.EAGER, 0, 2, 4, 16, "float32", data[::-1])  # before its recv: held
+        wait_until_sync(lambda: r0.m.held_bytes()[1] == 16)
+        later = np.zeros(4, np.float32)
+        assert r0.m.recv(later, 1, 0).result(5) == 1
+        assert later.tobytes() == data[::-1] and r0.m.held_bytes()[1] == 0 and r0.m.unmatched_count()[1] == 0
+    finally:
+        r0.close()
+
+
+def test_a_large_recv_grants_at_once_and_its_data_lands_in_place():
+    r0 = _Rank0()
+    try:
+        r0.notes(1, 0.5)
+        out = np.zeros(100, np.float32)  # 400 bytes > eager_bytes: granted when posted
+        got = r0.m.recv(out, 1, 3)
+        assert (M.GRANT, 3, 1, 100, 400, "float32") in r0.notes(1, 1.0)
+        r0.write(1, M.DATA, 3, 1, 100, 400, "float32", np.full(100, 2, np.float32).tobytes())
+        assert got.result(5) == 1 and out.tolist() == [2] * 100 and r0.m.placed == 1
+    finally:
+        r0.close()
+
+
+def test_a_send_without_credit_is_announced_and_goes_when_granted():
+    r0 = _Rank0()
+    try:
+        r0.notes(1, 0.5)
+        sent = r0.m.send(np.arange(8, dtype=np.int64), 1, 0)  # no CREDIT from peer 1 yet: announced
+        assert (M.ANNOUNCE, 0, 1, 8, 64, "int64") in r0.notes(1, 1.0) and not sent.done()
+        r0.write(1, M.GRANT, 0, 1, 8, 64, "int64")
+        assert sent.result(5) is None
+        r0.write(1, M.CREDIT, nbytes=1000)
+        wait_until_sync(lambda: r0.m.credit(1) == 1000)
+        assert r0.m.send(np.zeros(8, np.int64), 1, 0).result(5) is None  # eager now
+        assert r0.m.credit(1) == 1000 - 64
+    finally:
+        r0.close()
+
+
+def wait_until_sync(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+def _eager(r0, seq, tag=0, n=8):
+    r0.write(1, M.EAGER, tag, seq, n, n, "uint8", bytes(n))
+
+
+HOSTILE = {
+    "DATA never granted": lambda r0: r0.write(1, M.DATA, 0, 1, 2, 8, "float32", bytes(8)),
+    "EAGER past the credit": lambda r0: r0.write(1, M.EAGER, 0, 1, 300, 300, "uint8", bytes(300)),
+    "a message numbered twice": lambda r0: (_eager(r0, 1), _eager(r0, 1)),
+    "messages past max_messages": lambda r0: [_eager(r0, 1, tag=t) for t in range(5)],
+    "grants past max_messages": lambda r0: [r0.write(1, M.GRANT, t, 1, 1, 1, "uint8") for t in range(5)],
+    "a grant given twice": lambda r0: [r0.write(1, M.GRANT, 0, 1, 1, 1, "uint8") for _ in range(2)],
+    "a DECLINE of nothing granted": lambda r0: r0.write(1, M.DECLINE, 0, 1, 1, 1, "uint8"),
+    "a note with data": lambda r0: r0.write(1, M.GRANT, 0, 1, 1, 1, "uint8", b"x"),
+    "an unknown kind": lambda r0: r0.ends[1].sendall(
+        L.frame_head(2, 1, M.NOTE, False) + bytes([9]) + M.pack_note(M.CREDIT, 0, 0)[1:]),
+    "a meta of another size": lambda r0: r0.ends[1].sendall(
+        b"STRM" + (M.NOTE + 9).to_bytes(4, "big") + (9).to_bytes(4, "big") + bytes(9 + M.NOTE)),
+    "bad magic": lambda r0: r0.ends[1].sendall(b"PRPC" + bytes(8 + 8 + M.NOTE)),
+    "a close frame": lambda r0: r0.ends[1].sendall(streaming.close_frame(1, 2) + bytes(2 * M.NOTE)),
+    "more bytes than the note says": lambda r0: (r0.m.recv(np.zeros(2, np.uint8), 1, 0),
+                                                  r0.write(1, M.EAGER, 0, 1, 2, 2, "uint8", bytes(3))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_peer_breaks_its_own_lane_logged_and_named(case, caplog):
+    caplog.set_level(logging.WARNING, "aiobrpc.training")
+    r0 = _Rank0()
+    try:
+        other = np.zeros(2, np.uint8)
+        waits = r0.m.recv(other, 2, 0)  # a recv from the honest peer 2
+        HOSTILE[case](r0)
+        wait_until_sync(lambda: r0.reports)
+        err, fatal = r0.reports[0]
+        assert fatal and err.ranks == (1,) and "rank 1" in str(err) and "broke the message lane protocol" in str(err)
+        assert any("message lane from rank 1" in r.getMessage() for r in caplog.records)
+        assert r0.m.held_bytes()[1] <= 256 and r0.m.unmatched_count()[1] <= 4 and r0.m._peers[1].grants <= 4
+        with pytest.raises(CollectiveError, match="rank 1"):  # its lane is not used again
+            r0.m.send(np.zeros(1), 1, 0)
+        r0.write(2, M.EAGER, 0, 1, 2, 2, "uint8", b"ok")  # peer 2 is untouched
+        assert waits.result(5) == 2 and bytes(other) == b"ok"
+    finally:
+        r0.close()
+
+
+def test_a_peer_that_stops_mid_message_fails_the_recv_at_the_timeout_and_its_lane_is_shut(caplog):
+    caplog.set_level(logging.WARNING, "aiobrpc.training")
+    r0 = _Rank0(timeout=0.5)
+    try:
+        out = np.zeros(100, np.float32)
+        got = r0.m.recv(out, 1, 0)
+        note = M.pack_note(M.DATA, 0, 1, 100, 400, "float32")
+        # a frame that says 400 bytes follow, and ten come
+        r0.ends[1].sendall(L._head(r0.peer_lanes[1].out_meta[0], M.NOTE + 400) + note + bytes(10))
+        wait_until_sync(lambda: r0.m._peers[1].filling is not None)
+        time.sleep(0.6)
+        expired = r0.m.expire()
+        assert len(expired) == 1 and expired[0].src == 1 and expired[0].future is got
+        wait_until_sync(lambda: r0.reports)  # the shut lane is reported lost
+        assert r0.reports[0][0].ranks == (1,) and not r0.reports[0][1]
+        assert any("stopped coming" in r.getMessage() for r in caplog.records)
+        assert not got.done()  # the group's diagnosis fails it (its own test below)
+    finally:
+        r0.close()
+
+
+def test_an_announced_send_with_no_recv_times_out_naming_the_receiver():
+    r0 = _Rank0(timeout=0.3)
+    try:
+        sent = r0.m.send(np.zeros(100, np.float32), 1, 0)  # past eager_bytes: announced
+        time.sleep(0.4)
+        assert r0.m.expire() == []
+        with pytest.raises(CollectiveTimeout, match="rank 1 .*posted no recv") as info:
+            sent.result(1)
+        assert info.value.ranks == (1,)
+    finally:
+        r0.close()
+
+
+def test_a_refused_or_declined_message_fails_both_ends_saying_why():
+    r0 = _Rank0()
+    try:
+        sent = r0.m.send(np.zeros(100, np.float32), 1, 0)  # announced
+        r0.write(1, M.REFUSE, 0, 1, 100, 800, "float64")
+        with pytest.raises(CollectiveError, match="does not fit.*float64"):
+            sent.result(5)
+        got = r0.m.recv(np.zeros(100, np.float32), 1, 0)  # granted at once
+        r0.write(1, M.DECLINE, 0, 1, 100, 800, "float64")
+        with pytest.raises(CollectiveError, match="does not fit.*float64"):
+            got.result(5)
+        assert not r0.reports
+    finally:
+        r0.close()
+
+
+def test_the_tables_a_peer_fills_are_bounded_and_emptied_by_the_recvs():
+    r0 = _Rank0(max_messages=4, buffer_bytes=256)
+    try:
+        for t in range(4):
+            _eager(r0, 1, tag=t, n=64)
+        wait_until_sync(lambda: r0.m.unmatched_count()[1] == 4)
+        assert r0.m.held_bytes()[1] == 256
+        for t in range(4):
+            assert r0.m.recv(np.zeros(64, np.uint8), 1, t).result(5) == 1
+        assert r0.m.held_bytes()[1] == 0 and r0.m.unmatched_count()[1] == 0 and not r0.m._unmatched
+        given = [n[4] for n in r0.notes(1, 1.0) if n[0] == M.CREDIT]
+        assert given[0] == 256 and sum(given[1:]) == 256  # given at start, then given back
+        assert not r0.reports
+    finally:
+        r0.close()
+
+
+# -- groups on one loop ------------------------------------------------------------------------
+
+async def test_messages_match_in_order_per_tag_from_a_rank_or_any(tmp_path):
+    g0, g1 = groups = await _groups(tmp_path, segment_bytes=1 << 20)
+    try:
+        assert g0.messages is not None
+        big = np.arange(3 << 20, dtype=np.uint8)
+        out = np.zeros_like(big)
+        got = g1.recv(out, 0, tag=7)  # granted at once: the send goes in one hop
+        await _wait(g0.send(big, 1, tag=7))
+        assert await _wait(got) == 0 and np.array_equal(out, big)
+        sends = [g0.send(np.full(3, k, np.int64), 1, tag=k % 2) for k in range(4)]
+        await _wait(asyncio.gather(*sends))
+        outs = [np.zeros(3, np.int64) for _ in range(4)]
+        for k in (1, 3, 0, 2):
+            assert await _wait(g1.recv(outs[k], 0, tag=k % 2)) == 0
+        assert [int(o[0]) for o in outs] == [0, 1, 2, 3]
+        assert g1.messages.held_bytes() == [0, 0] and g1.messages.unmatched_count() == [0, 0]
+        for tag, n in ((9, 2), (10, 1 << 20)):  # from any rank: eager, then announced
+            a = np.zeros(n, np.float32)
+            sent = g0.send(np.ones(n, np.float32), 1, tag=tag)
+            await asyncio.sleep(0.05)
+            assert await _wait(g1.recv(a, None, tag=tag)) == 0 and a.min() == 1
+            await _wait(sent)
+        assert not g0.broken and not g1.broken
+    finally:
+        await _close(groups)
+
+
+async def test_held_bytes_never_pass_the_cap_and_the_sender_falls_back_to_announcing(tmp_path):
+    cap = 10_000
+    g0, g1 = groups = await _groups(tmp_path, p2p_buffer_bytes=cap)
+    try:
+        await wait_until(lambda: g0.messages.credit(1) == cap)
+        msgs = [np.full(3000, k, np.uint8) for k in range(5)]  # 15 000 bytes: 3 fit, 2 wait
+        sends = [g0.send(m, 1) for m in msgs]
+        await wait_until(lambda: g1.messages.held_bytes()[0] == 9000 and g1.messages.unmatched_count()[0] == 5)
+        assert sum(s.done() for s in sends) == 3
+        outs = [np.zeros(3000, np.uint8) for _ in msgs]
+        for o in outs:
+            await _wait(g1.recv(o, 0))
+        await _wait(asyncio.gather(*sends))
+        assert [int(o[0]) for o in outs] == list(range(5))
+        assert g1.messages.held_bytes() == [0, 0]
+    finally:
+        await _close(groups)
+
+
+async def test_too_many_unmatched_messages_break_the_group_and_the_sender_learns_why(tmp_path, caplog):
+    g0, g1 = groups = await _groups(tmp_path, p2p_max_messages=4)
+    try:
+        await wait_until(lambda: g0.messages.credit(1) > 0)
+        for t in range(5):  # an unknown-tag flood (what a program's bug looks like)
+            g0.send(np.zeros(1, np.int8), 1, tag=t)
+        await wait_until(lambda: g1.broken is not None and "max_messages" in str(g0.messages._peers[1].lost))
+        assert "max_messages" in str(g1.broken)
+        with pytest.raises(CollectiveError, match="max_messages.*reported to rank 0 by rank 1"):
+            g0.send(np.zeros(1, np.int8), 1)
+        assert "max_messages" in caplog.text
+        assert not g1.messages._unmatched  # the broken group dropped what it held
+        with pytest.raises(CollectiveError):
+            g1.recv(np.zeros(1, np.int8), 0)
+    finally:
+        await _close(groups)
+
+
+@pytest.mark.parametrize("size", [10, 100_000])  # eager, or announced
+@pytest.mark.parametrize("recv_first", [True, False])
+async def test_a_message_that_does_not_fit_its_recv_fails_the_recv_and_a_waiting_sender(
+        tmp_path, caplog, size, recv_first):
+    g0, g1 = groups = await _groups(tmp_path)
+    try:
+        await wait_until(lambda: g0.messages.credit(1) > 0)
+        out = np.zeros(size, np.int64)
+        if recv_first:
+            got = g1.recv(out, 0)
+            await asyncio.sleep(0.05)
+            sent = g0.send(np.ones(size, np.float64), 1)
+        else:
+            sent = g0.send(np.ones(size, np.float64), 1)
+            await asyncio.sleep(0.2)
+            got = g1.recv(out, 0)
+        with pytest.raises(CollectiveError, match="does not fit.*float64.*int64|does not fit.*int64.*float64"):
+            await _wait(got)
+        if size == 10:  # eager: written (and done) before the receiver saw it
+            await _wait(sent)
+        else:
+            with pytest.raises(CollectiveError, match="does not fit"):
+                await _wait(sent)
+        assert "does not fit" in caplog.text
+        assert g0.broken is None and g1.broken is None  # only the messages fail
+        ok = np.zeros(2, np.int8)
+        got = g1.recv(ok, 0)
+        await _wait(g0.send(np.ones(2, np.int8), 1))
+        assert await _wait(got) == 0 and ok.tolist() == [1, 1]
+    finally:
+        await _close(groups)
+
+
+async def test_a_dead_source_fails_the_pending_recvs_naming_it(tmp_path):
+    g0, g1 = await _groups(tmp_path, timeout=2)
+    try:
+        got = g0.recv(np.zeros(4, np.float32), 1)  # fails once rank 0 sees the lane close
+        anyone = g0.recv(np.zeros(4, np.float32), None, tag=5)  # at the timeout: no rank answers
+        await g1.close()
+        with pytest.raises(CollectiveError, match="rank 1 .*closed its message lane") as info:
+            await _wait(got, 10)
+        assert info.value.ranks == (1,)
+        with pytest.raises(CollectiveError):  # later ones at once
+            g0.recv(np.zeros(4, np.float32), 1)
+        with pytest.raises(CollectiveTimeout, match="rank 1 .*did not answer") as info:
+            await _wait(anyone, 10)
+        assert info.value.ranks == (1,) and g0.broken is not None
+    finally:
+        await _close([g0, g1])
+
+
+async def test_a_peer_whose_group_broke_gives_its_reason_to_the_recvs_waiting_on_it(tmp_path):
+    g0, g1 = groups = await _groups(tmp_path, timeout=5)
+    try:
+        got = g0.recv(np.zeros(4, np.float32), 1)
+        g1._fail(CollectiveError("rank 1 found something wrong", (1,)), tell_peers=False)
+        with pytest.raises(CollectiveError, match="something wrong.*reported to rank 0 by rank 1"):
+            await _wait(got, 10)
+    finally:
+        await _close(groups)
+
+
+async def test_a_dead_destination_fails_the_pending_send_naming_it(tmp_path):
+    g0, g1 = await _groups(tmp_path, timeout=3)
+    try:
+        sent = g0.send(np.zeros(1 << 20, np.uint8), 1)  # announced: waits for a recv that never comes
+        await asyncio.sleep(0.2)
+        await g1.close()
+        with pytest.raises(CollectiveError) as info:
+            await _wait(sent, 10)
+        assert 1 in info.value.ranks
+    finally:
+        await _close([g0, g1])
+
+
+async def test_a_recv_with_no_send_times_out_without_breaking_the_group(tmp_path):
+    g0, g1 = groups = await _groups(tmp_path, timeout=1)
+    try:
+        for src in (1, None):
+            with pytest.raises(CollectiveTimeout, match="no matching send"):
+                await _wait(g0.recv(np.zeros(1, np.int8), src, tag=3), 10)
+        assert g0.broken is None
+        out = np.zeros(1, np.int8)
+        got = g0.recv(out, 1)
+        await _wait(g1.send(np.ones(1, np.int8), 0))
+        await _wait(got)
+        late = g1.send(np.ones(1, np.int8), 0, tag=3)  # the timed-out recv's message: dropped
+        await _wait(late)
+        await asyncio.sleep(0.1)
+        assert g0.broken is None and g0.messages.held_bytes() == [0, 0]
+    finally:
+        await _close(groups)
+
+
+async def test_callers_mistakes_raise_at_once(tmp_path):
+    g0, g1 = groups = await _groups(tmp_path)
+    try:
+        for dst in (0, 2, -1, "1"):
+            with pytest.raises(ValueError, match="dst must be another rank"):
+                g0.send(np.zeros(1), dst)
+        with pytest.raises(ValueError, match="src must be another rank"):
+            g0.recv(np.zeros(1), 0)
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            g0.send(np.zeros((4, 4))[:, 1], 1)
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            g0.recv(np.zeros((4, 4))[:, 1], 1)
+        with pytest.raises(ValueError, match="tag"):
+            g0.send(np.zeros(1), 1, tag=1.5)
+        assert g0.broken is None
+    finally:
+        await _close(groups)
+
+
+async def test_world_3_any_source_takes_each_sender_once(tmp_path):
+    groups = await _groups(tmp_path, world=3)
+    try:
+        outs = [np.zeros(5, np.int32) for _ in range(4)]
+        recvs = [groups[0].recv(o, None, tag=1) for o in outs]
+        sends = [groups[r].send(np.full(5, r * 10 + k, np.int32), 0, tag=1) for r in (1, 2) for k in range(2)]
+        srcs = await _wait(asyncio.gather(*recvs))
+        await _wait(asyncio.gather(*sends))
+        assert sorted(srcs) == [1, 1, 2, 2]
+        got = {r: [int(o[0]) for o, s in zip(outs, srcs) if s == r] for r in (1, 2)}
+        assert got == {1: [10, 11], 2: [20, 21]}  # per sender, in the order sent
+    finally:
+        await _close(groups)
+
