@@ -772,11 +772,20 @@ class Group:
         shut its lanes (its Status tells). What waits on that peer fails with the reason; the
         group goes on (a collective finds a dead peer itself)."""
         peer = err.ranks[0]
-        if self._broken is None and not self._closed:
+        end = self._loop.time() + CONTROL_TIMEOUT_S
+        # A peer shuts a lane a moment before its group is marked broken: one that answers
+        # without an error is asked again, for a little while.
+        while self._broken is None and not self._closed:
             answer = await self._status_of(peer)
-            if not isinstance(answer, RpcError) and answer.error:
+            if isinstance(answer, RpcError):  # gone
+                break
+            if answer.error:
                 err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,
                              answer.timed_out)
+                break
+            if self._loop.time() > end:
+                break
+            await asyncio.sleep(0.02)
         self.messages.fail_peer(peer, err)
 
     def _mail_tick(self) -> None:

@@ -299,7 +299,7 @@ class LaneMessages:
                 peer.credit -= len(data)
                 bufs: list = []
                 frames(bufs, peer.lane, pack_note(EAGER, tag, seq, numel, len(data), dtype), data)
-                self._write(peer, bufs, future)
+                self._write(peer, bufs, future, settle)
             else:
                 self._pending[(dst, tag, seq)] = _Send(dst, tag, seq, dtype, numel, data, future,
                                                        time.monotonic() + self.timeout)
@@ -399,7 +399,7 @@ class LaneMessages:
             return
         bufs: list = []
         frames(bufs, peer.lane, pack_note(DATA, s.tag, s.seq, s.numel, len(s.data), s.dtype), s.data)
-        self._write(peer, bufs, s.future)
+        self._write(peer, bufs, s.future, settle)
 
     def _give_back(self, peer: _Peer, nbytes: int) -> None:
         peer.owed += nbytes
@@ -453,15 +453,17 @@ class LaneMessages:
         """(Under the lock.) Write a note without data: one frame."""
         bufs: list = []
         frames(bufs, peer.lane, note, _EMPTY)
-        self._write(peer, bufs, None)
+        self._write(peer, bufs, None, None)
 
-    def _write(self, peer: _Peer, bufs: list, future: concurrent.futures.Future | None) -> None:
+    def _write(self, peer: _Peer, bufs: list, future: concurrent.futures.Future | None, settle: list | None) -> None:
         """(Under the lock.) Write `bufs` to the peer's lane after what was written before:
         here what the socket takes at once when nothing waits for the writing thread and it is
-        small, the rest by the writing thread. `future` is done once all is written."""
+        small, the rest by the writing thread. `future` is done once all is written: when that
+        is here, it goes to `settle`, settled by the caller once it lets go of the lock (a
+        future's callbacks may call back in)."""
         if peer.lost is not None:
             if future is not None:
-                _settle(future, peer.lost)
+                settle.append((future, peer.lost))
             return
         if not peer.queued and sum(len(b) for b in bufs) <= INLINE_BYTES:
             try:
@@ -470,7 +472,7 @@ class LaneMessages:
                 pass
             if not bufs:
                 if future is not None:
-                    _settle(future, None)
+                    settle.append((future, None))
                 return
         peer.queued += 1
         self._writes.append((peer, bufs, future))
@@ -679,9 +681,9 @@ class LaneMessages:
         with self._lock:
             if self._broken is None and peer.lost is None:
                 peer.lost = err
+        self._report(err, True)  # first: the peer, seeing its lane shut, asks this rank why
         with contextlib.suppress(OSError):
             peer.lane.sock.shutdown(socket.SHUT_RDWR)
-        self._report(err, True)
 
     def _lost_locked(self, peer: _Peer, e: OSError) -> bool:
         """(Under the lock.) The lane to `peer` closed or its writes stalled past the timeout:

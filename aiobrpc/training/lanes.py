@@ -1,6 +1,7 @@
-"""Lanes: one connection per pair of ranks, read and written by blocking threads, for the
-exchanges whose order every rank knows: the ring collectives (all_reduce, reduce_scatter,
-all_gather, broadcast, barrier), all_to_all, gather and scatter.
+"""Lanes: connections per pair of ranks, read and written by blocking threads. Each pair opens
+two: one for the exchanges whose order every rank knows (the ring collectives: all_reduce,
+reduce_scatter, all_gather, broadcast, barrier; all_to_all, gather and scatter), used here; and
+one for point-to-point messages, whose protocol is lane_messages.py's (LaneRequest.kind 1).
 
 Why: carried by calls on the group's event loop, an all_to_all at world 4 costs each rank
 12 call ends (an announcement and a piece to each of 3 peers, the same from them) and their

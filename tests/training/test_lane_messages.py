@@ -312,7 +312,9 @@ async def test_held_bytes_never_pass_the_cap_and_the_sender_falls_back_to_announ
         msgs = [np.full(3000, k, np.uint8) for k in range(5)]  # 15 000 bytes: 3 fit, 2 wait
         sends = [g0.send(m, 1) for m in msgs]
         await wait_until(lambda: g1.messages.held_bytes()[0] == 9000 and g1.messages.unmatched_count()[0] == 5)
-        assert sum(s.done() for s in sends) == 3
+        await wait_until(lambda: sum(s.done() for s in sends) == 3)  # the eager ones, written
+        await asyncio.sleep(0.2)
+        assert sum(s.done() for s in sends) == 3 and g1.messages.held_bytes()[0] == 9000
         outs = [np.zeros(3000, np.uint8) for _ in msgs]
         for o in outs:
             await _wait(g1.recv(o, 0))
