@@ -20,7 +20,7 @@ import sys
 import traceback
 
 HARNESSES = ("baidu_server", "http_server", "h2_server", "stream", "baidu_client", "grpc_client",
-             "compress", "json_transcode", "naming", "codec", "collective", "lanes")
+             "compress", "json_transcode", "naming", "codec", "collective", "lanes", "lane_messages")
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(ROOT, "corpus")
 FINDINGS = os.path.join(ROOT, "findings")

@@ -151,8 +151,8 @@ class _Held:
 class _Peer:
     """What this rank keeps about the message lane to one peer."""
 
-    __slots__ = ("lane", "meta_size", "credit", "held_bytes", "unmatched", "grants", "owed", "queued", "lost",
-                 "reader", "filling")
+    __slots__ = ("lane", "meta_size", "credit", "allowance", "held_bytes", "unmatched", "grants", "owed", "queued",
+                 "lost", "reader", "filling")
 
     def __init__(self, lane: Lane) -> None:
         self.lane = lane
@@ -161,6 +161,7 @@ class _Peer:
             raise ValueError(f"the lane's DATA metas differ in size: {sizes}")
         self.meta_size = sizes.pop()  # an honest peer's, last frame or not
         self.credit = 0  # bytes of EAGER messages this rank may still send it (it gives them)
+        self.allowance = 0  # bytes of EAGER messages it may still send this rank (this rank gave them)
         self.held_bytes = 0  # bytes of its EAGER messages held here, no recv having taken them
         self.unmatched = 0  # its messages held or announced here with no recv
         self.grants = 0  # its GRANTs kept here for sends this rank has not made yet
@@ -223,6 +224,7 @@ class LaneMessages:
             peer.reader.start()
             if self.buffer_bytes:
                 with self._lock:
+                    peer.allowance = self.buffer_bytes
                     self._note(peer, pack_note(CREDIT, 0, 0, 0, self.buffer_bytes))
 
     def fail_all(self, err: CollectiveError) -> None:
@@ -402,9 +404,10 @@ class LaneMessages:
         self._write(peer, bufs, s.future, settle)
 
     def _give_back(self, peer: _Peer, nbytes: int) -> None:
-        peer.owed += nbytes
+        peer.owed += nbytes  # at most buffer_bytes: every EAGER byte was within the credit given
         if peer.owed and peer.owed >= max(1, self.buffer_bytes // 8):
             self._note(peer, pack_note(CREDIT, 0, 0, 0, peer.owed))
+            peer.allowance += peer.owed
             peer.owed = 0
 
     def _drop_if_empty(self, tag: int) -> None:
@@ -541,33 +544,51 @@ class LaneMessages:
             return
         settle = []
         with self._lock:
-            into, r = self._arrival(peer, kind, tag, seq, numel, nbytes, dtype, settle)
+            into, r, held = self._arrival(peer, kind, tag, seq, numel, nbytes, dtype, settle)
         _settle_all(settle)
-        _read_message(lane, into, nbytes, first, continues)
+        try:
+            _read_message(lane, into, nbytes, first, continues)
+        except BaseException:
+            if held is not None:  # never whole: not held after all
+                with self._lock:
+                    if self._broken is None and peer.lost is None:  # else counted out already
+                        peer.held_bytes -= nbytes
+                        peer.unmatched -= 1
+            raise
         if r is not None:
             peer.filling = None
             _settle(r.future, r.src)
+        elif held is not None:  # whole now: only now may a recv take it
+            with self._lock:
+                self._held_in(peer, tag, held, settle)
+            _settle_all(settle)
 
     def _arrival(self, peer: _Peer, kind: int, tag: int, seq: int, numel: int, nbytes: int, dtype: str,
-                 settle: list) -> tuple[Any, _Recv | None]:
+                 settle: list) -> tuple[Any, _Recv | None, _Held | None]:
         """(Under the lock.) Where an EAGER or DATA message's bytes go: a recv's tensor (and
-        the recv, completed once they are in), a held buffer, or None (read and dropped)."""
+        the recv, completed once they are in), a buffer to hold them in (and what is held,
+        which a recv may take once it is whole), or None (read and dropped). Everything is
+        checked before anything changes: a refusal leaves the tables as they were, so what
+        waits is still there for the group's failure to settle."""
         src = peer.lane.peer
         key = (src, tag, seq)
         r = self._recvs.get(key)
         if kind == DATA:
             if r is None or not r.granted:
                 raise LaneError(f"DATA for message #{seq} on tag {tag}, which this rank did not grant")
-            del self._recvs[key]
-            if r.abandoned:
-                return None, None
-            if r.fits(dtype, numel, nbytes):
+            if not r.abandoned and r.fits(dtype, numel, nbytes):
                 raise LaneError(f"DATA of {numel} {dtype} ({nbytes} bytes) for a recv granted as "
                                 f"{r.numel} {r.dtype} ({r.buf.nbytes} bytes)")
+            del self._recvs[key]
+            if r.abandoned:
+                return None, None, None
             self.placed += 1
             peer.filling = r
-            return r.buf, r
-        # EAGER: sent on credit, which is given back whatever becomes of it
+            return r.buf, r, None
+        # EAGER: sent on the credit this rank gave, which it gives back whatever becomes of it
+        if nbytes > peer.allowance:
+            raise LaneError(f"an EAGER message of {nbytes} bytes past the credit given ({peer.allowance} "
+                            f"bytes of it left)")
         if r is None and seq == self._next_match.get((src, tag), 1) and self._any.get(tag):
             r = self._any[tag].popleft()
             if not self._any[tag]:
@@ -576,26 +597,47 @@ class LaneMessages:
             self._next_match[(src, tag)] = seq + 1
         elif r is not None:
             del self._recvs[key]
+        if r is None:
+            self._check_new(peer, tag, seq)
+        peer.allowance -= nbytes
         if r is not None:
             self._give_back(peer, nbytes)
             if r.abandoned:
-                return None, None
+                return None, None, None
             why = r.fits(dtype, numel, nbytes)
             if why:
                 self._refuse(peer, r, why, settle)
-                return None, None
+                return None, None, None
             self.placed += 1
             peer.filling = r
-            return r.buf, r
-        self._check_new(peer, tag, seq)
-        if peer.held_bytes + nbytes > self.buffer_bytes:
-            raise LaneError(f"an EAGER message of {nbytes} bytes past the credit given ({peer.held_bytes} "
-                            f"of {self.buffer_bytes} bytes already held)")
+            return r.buf, r, None
         data = np.empty(nbytes, np.uint8)
         peer.held_bytes += nbytes
-        self._hold(peer, tag, _Held(seq, dtype, numel, nbytes, data))
+        peer.unmatched += 1  # counted now, matched once whole (_held_in)
         self.held += 1
-        return data, None
+        return data, None, _Held(seq, dtype, numel, nbytes, data)
+
+    def _held_in(self, peer: _Peer, tag: int, held: _Held, settle: list) -> None:
+        """(Under the lock.) An EAGER message held is whole: to a recv posted while it was
+        read, or among the unmatched ones."""
+        src = peer.lane.peer
+        if self._broken is not None or peer.lost is not None:
+            return
+        r = self._recvs.pop((src, tag, held.seq), None)
+        if r is None and held.seq == self._next_match.get((src, tag), 1) and self._any.get(tag):
+            r = self._any[tag].popleft()
+            if not self._any[tag]:
+                del self._any[tag]
+            r.src, r.seq = src, held.seq
+            self._next_match[(src, tag)] = held.seq + 1
+        if r is None:
+            self._unmatched.setdefault(tag, {})[(src, held.seq)] = held
+        elif r.abandoned:  # timed out meanwhile: dropped
+            peer.unmatched -= 1
+            peer.held_bytes -= held.nbytes
+            self._give_back(peer, held.nbytes)
+        else:
+            self._bind(peer, r, held, settle)
 
     def _check_new(self, peer: _Peer, tag: int, seq: int) -> None:
         src = peer.lane.peer

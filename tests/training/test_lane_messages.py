@@ -208,6 +208,82 @@ def test_a_hostile_peer_breaks_its_own_lane_logged_and_named(case, caplog):
         r0.close()
 
 
+def _first_frame_of(r0, p, kind, tag, seq, numel, nbytes, dtype, part: bytes) -> bytes:
+    """The first frame of a message of `nbytes`, of which `part` is all that is written."""
+    note = M.pack_note(kind, tag, seq, numel, nbytes, dtype)
+    return L._head(r0.peer_lanes[p].out_meta[0], M.NOTE + nbytes) + note + part
+
+
+def test_a_recv_posted_while_a_held_message_is_read_waits_for_all_of_it():
+    # fuzz/lane_messages.py's regress_recv_takes_held_eager_mid_read
+    r0 = _Rank0()
+    try:
+        data = np.arange(4, dtype=np.float32).tobytes()
+        r0.ends[1].sendall(_first_frame_of(r0, 1, M.EAGER, 0, 1, 4, 16, "float32", data[:6]))
+        wait_until_sync(lambda: r0.m.held_bytes()[1] == 16)  # being read, held for no recv
+        out = np.zeros(4, np.float32)
+        got = r0.m.recv(out, None, 0)
+        time.sleep(0.1)
+        assert not got.done()  # not bound to a message not yet whole
+        r0.ends[1].sendall(data[6:])
+        assert got.result(5) == 1 and out.tobytes() == data
+        assert r0.m.held_bytes()[1] == 0 and r0.m.unmatched_count()[1] == 0
+    finally:
+        r0.close()
+
+
+def test_a_held_message_cut_by_a_refusal_is_never_taken():
+    # fuzz/lane_messages.py's regress_any_takes_held_eager_cut_by_a_refusal
+    r0 = _Rank0()
+    try:
+        note = M.pack_note(M.EAGER, 0, 1, 16, 16, "uint8")
+        # a first frame of 6 of its 16 bytes that says more follow ...
+        r0.ends[1].sendall(L._head(r0.peer_lanes[1].out_meta[1], M.NOTE + 6) + note + bytes(6))
+        wait_until_sync(lambda: r0.m.held_bytes()[1] == 16)
+        r0.ends[1].sendall(b"PRPC" + bytes(200))  # ... and what follows is not a frame
+        wait_until_sync(lambda: r0.reports)
+        assert r0.m.held_bytes()[1] == 0 and r0.m.unmatched_count()[1] == 0 and not r0.m._unmatched
+        got = r0.m.recv(np.zeros(16, np.uint8), None, 0)  # from any rank: rank 1's half message is not it
+        time.sleep(0.1)
+        assert not got.done()
+    finally:
+        r0.close()
+
+
+def test_data_that_does_not_fit_its_grant_leaves_the_recv_to_the_groups_failure():
+    # fuzz/lane_messages.py's regress_data_unfit_for_its_grant
+    r0 = _Rank0()
+    try:
+        got = r0.m.recv(np.zeros(30, np.float32), 1, 0)  # granted at once
+        r0.write(1, M.DATA, 0, 1, 31, 124, "float32", bytes(124))
+        wait_until_sync(lambda: r0.reports)
+        assert r0.reports[0][1] and "granted as 30 float32" in str(r0.reports[0][0])
+        assert not got.done()
+        r0.m.fail_all(CollectiveError("the group broke"))
+        with pytest.raises(CollectiveError, match="the group broke"):
+            got.result(5)
+    finally:
+        r0.close()
+
+
+def test_an_eager_message_past_the_credit_given_is_refused_before_anything_changes():
+    # fuzz/lane_messages.py's regress_credit_owed_overflow
+    r0 = _Rank0()
+    try:
+        got = r0.m.recv(np.zeros(4, np.float32), 1, 0)
+        anyone = r0.m.recv(np.zeros(4, np.float32), None, 1)
+        r0.write(1, M.EAGER, 0, 1, 4, 16, "float32", bytes(16))
+        assert got.result(5) == 1
+        note = M.pack_note(M.EAGER, 1, 1, 4, (1 << 64) - 1, "float32")  # a size past any credit
+        r0.ends[1].sendall(L._head(r0.peer_lanes[1].out_meta[0], M.NOTE) + note)
+        wait_until_sync(lambda: r0.reports)
+        err, fatal = r0.reports[0]
+        assert fatal and "past the credit given" in str(err) and "reader failed" not in str(err)
+        assert not anyone.done() and r0.m._any[1][0].future is anyone  # still posted, for the failure to settle
+    finally:
+        r0.close()
+
+
 def test_a_peer_that_stops_mid_message_fails_the_recv_at_the_timeout_and_its_lane_is_shut(caplog):
     caplog.set_level(logging.WARNING, "aiobrpc.training")
     r0 = _Rank0(timeout=0.5)
