@@ -349,8 +349,10 @@ class Group:
     # -- point-to-point and the collectives built on it ----------------------------------------
     def send(self, tensor: Any, dst: int, tag: int = 0) -> asyncio.Future[None]:
         """Send `tensor` (any dtype, C-contiguous) to rank `dst`; matched by the recv of `dst`
-        from this rank with the same `tag`, in the order sent. Done once `dst` has it in place
-        or holds it (small messages are held until their recv is posted)."""
+        from this rank with the same `tag`, in the order sent. On lanes, done once written to
+        the lane (the tensor may be reused), as with gloo; on calls, once `dst` has it in place or
+        holds it. Small messages are held by `dst` until their recv is posted; larger ones wait
+        for it. A recv that does not fit fails, and this send if it still waits."""
         self._check_started()
         if self.messages is not None:
             self.p2p._check_peer(dst, "dst")
