@@ -53,6 +53,18 @@ def instrumented():
     return contextlib.nullcontext()
 
 
+def main(one_input, seeds) -> None:
+    """A harness's command line: `--seeds DIR` (re)writes its seed corpus (`seeds()`: name ->
+    input) into DIR; anything else fuzzes `one_input` (fuzz_main)."""
+    if sys.argv[1:2] == ["--seeds"]:
+        os.makedirs(sys.argv[2], exist_ok=True)
+        for name, blob in seeds().items():
+            with open(os.path.join(sys.argv[2], name), "wb") as f:
+                f.write(blob)
+    else:
+        fuzz_main(one_input)
+
+
 def fuzz_main(one_input) -> None:
     """`python -m fuzz.<name> [libFuzzer args]`: fuzz `one_input`."""
     if atheris is None:

@@ -182,13 +182,4 @@ def one_input(data: bytes) -> str:
 
 
 if __name__ == "__main__":
-    import os
-    import sys
-
-    if sys.argv[1:2] == ["--seeds"]:
-        os.makedirs(sys.argv[2], exist_ok=True)
-        for name, blob in seeds().items():
-            with open(os.path.join(sys.argv[2], name), "wb") as f:
-                f.write(blob)
-    else:
-        H.fuzz_main(one_input)
+    H.main(one_input, seeds)

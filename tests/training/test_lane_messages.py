@@ -481,19 +481,6 @@ async def test_a_peer_whose_group_broke_gives_its_reason_to_the_recvs_waiting_on
         await _close(groups)
 
 
-async def test_a_dead_destination_fails_the_pending_send_naming_it(tmp_path):
-    g0, g1 = await _groups(tmp_path, timeout=3)
-    try:
-        sent = g0.send(np.zeros(1 << 20, np.uint8), 1)  # announced: waits for a recv that never comes
-        await asyncio.sleep(0.2)
-        await g1.close()
-        with pytest.raises(CollectiveError) as info:
-            await _wait(sent, 10)
-        assert 1 in info.value.ranks
-    finally:
-        await _close([g0, g1])
-
-
 async def test_a_recv_with_no_send_times_out_without_breaking_the_group(tmp_path):
     g0, g1 = groups = await _groups(tmp_path, timeout=1)
     try:
@@ -509,25 +496,6 @@ async def test_a_recv_with_no_send_times_out_without_breaking_the_group(tmp_path
         await _wait(late)
         await asyncio.sleep(0.1)
         assert g0.broken is None and g0.messages.held_bytes() == [0, 0]
-    finally:
-        await _close(groups)
-
-
-async def test_callers_mistakes_raise_at_once(tmp_path):
-    g0, g1 = groups = await _groups(tmp_path)
-    try:
-        for dst in (0, 2, -1, "1"):
-            with pytest.raises(ValueError, match="dst must be another rank"):
-                g0.send(np.zeros(1), dst)
-        with pytest.raises(ValueError, match="src must be another rank"):
-            g0.recv(np.zeros(1), 0)
-        with pytest.raises(ValueError, match="not C-contiguous"):
-            g0.send(np.zeros((4, 4))[:, 1], 1)
-        with pytest.raises(ValueError, match="not C-contiguous"):
-            g0.recv(np.zeros((4, 4))[:, 1], 1)
-        with pytest.raises(ValueError, match="tag"):
-            g0.send(np.zeros(1), 1, tag=1.5)
-        assert g0.broken is None
     finally:
         await _close(groups)
 

@@ -1,7 +1,8 @@
 """The point-to-point layer of a Group on calls (p2p.py, `lanes=False`) and the collectives made
 of it, ranks in one loop: matching, in-place receipt, the caps on what a peer can make a rank
 hold, hostile and mismatched messages, a peer that dies. Every wait is bounded by the group's
-timeout. On lanes (the default): test_lane_messages.py."""
+timeout. On lanes (the default): test_lane_messages.py; the tests parametrized on `lanes` hold
+on both."""
 
 from __future__ import annotations
 
@@ -190,8 +191,9 @@ async def test_a_dead_source_fails_the_pending_recv_naming_it(tmp_path):
         await _close([g0, g1])
 
 
-async def test_a_dead_destination_fails_the_pending_send_naming_it(tmp_path):
-    g0, g1 = await _groups(tmp_path, timeout=3)
+@pytest.mark.parametrize("lanes", [False, True])
+async def test_a_dead_destination_fails_the_pending_send_naming_it(tmp_path, lanes):
+    g0, g1 = await make_groups(tmp_path, timeout=3, lanes=lanes)
     try:
         sent = g0.send(np.zeros(1 << 20, np.uint8), 1)  # announced: waits for a recv that never comes
         await asyncio.sleep(0.2)
@@ -217,18 +219,23 @@ async def test_a_recv_with_no_send_times_out_without_breaking_the_group(tmp_path
         await _close(groups)
 
 
-async def test_callers_mistakes_raise_at_once(tmp_path):
-    g0, g1 = groups = await _groups(tmp_path)
+@pytest.mark.parametrize("lanes", [False, True])
+async def test_callers_mistakes_raise_at_once(tmp_path, lanes):
+    g0, g1 = groups = await make_groups(tmp_path, lanes=lanes)
     try:
         for dst in (0, 2, -1, "1"):
             with pytest.raises(ValueError, match="dst must be another rank"):
                 g0.send(np.zeros(1), dst)
-        with pytest.raises(ValueError, match="not C-contiguous"):
-            g0.send(np.zeros((4, 4))[:, 1], 1)
+        with pytest.raises(ValueError, match="src must be another rank"):
+            g0.recv(np.zeros(1), 0)
+        for call in (g0.send, g0.recv):
+            with pytest.raises(ValueError, match="not C-contiguous"):
+                call(np.zeros((4, 4))[:, 1], 1)
         with pytest.raises(ValueError, match="tag"):
             g0.send(np.zeros(1), 1, tag=1.5)
         with pytest.raises(ValueError, match="2 output tensors"):
             g0.gather(np.zeros(1), [np.zeros(1)], root=0)
+        assert g0.broken is None
     finally:
         await _close(groups)
 
