@@ -45,7 +45,7 @@ from . import ops
 from . import p2p as p2p_mod
 from .errors import CollectiveError, CollectiveTimeout
 from .exchange import all_to_all, gather, scatter
-from .lane_messages import LaneMessages
+from .lane_messages import LaneMessages, PeerClosed
 from .lanes import Deadline, LaneLost, Lanes
 from .reduce import ReduceOp, reduce_op
 
@@ -256,6 +256,8 @@ class Group:
             return
         self._closed = True
         healthy = self._broken is None
+        if self.messages is not None:
+            self.messages.goodbye()  # before the lanes close: the peers take it for no death
         self._fail(CollectiveError(f"the group was closed on rank {self.rank}"), tell_peers=False)
         if self._background:  # an Abort still on its way to a peer is worth a short wait
             await asyncio.wait(list(self._background), timeout=CONTROL_TIMEOUT_S)
@@ -770,16 +772,20 @@ class Group:
                 self._loop.call_soon_threadsafe(self._spawn, self._mail_lost(err))
 
     async def _mail_lost(self, err: CollectiveError) -> None:
-        """A message lane closed: the peer died or closed its group, or its group broke and it
-        shut its lanes (its Status tells). What waits on that peer fails with the reason; the
-        group goes on (a collective finds a dead peer itself)."""
+        """A message lane closed: the peer died, or it closed its group or its group broke and
+        it shut its lanes; a BYE, or else its Status, tells which. A peer that said BYE or
+        answers (broken) fails what waits on it, with its reason, and the group goes on: a
+        rank that closes after the last collective is no error. A peer that does not answer is dead: the group
+        breaks naming it and every rank is told, as on calls (a rank that only waited on it
+        would otherwise exit unheard, and its peers blame it)."""
         peer = err.ranks[0]
         end = self._loop.time() + CONTROL_TIMEOUT_S
         # A peer shuts a lane a moment before its group is marked broken: one that answers
-        # without an error is asked again, for a little while.
-        while self._broken is None and not self._closed:
+        # without an error is asked again, for a little while. One that said BYE closed.
+        while self._broken is None and not self._closed and not isinstance(err, PeerClosed):
             answer = await self._status_of(peer)
             if isinstance(answer, RpcError):  # gone
+                self._fail(err)
                 break
             if answer.error:
                 err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,

@@ -25,16 +25,16 @@ a NOTE: its kind, tag, number on the tag, elements, bytes and dtype name. The ki
 - DECLINE (no data; from the sender): the GRANT of message (tag, number) does not fit what it
   sends (in the note): the granted recv fails.
 - CREDIT (no data): `bytes` more of held messages may come.
+- BYE (no data): the sender closes its group; its lane closing next is no death.
 
 Messages from one rank on one tag match their recvs in the order sent (the number), as with
 gloo. What a peer makes this rank keep is bounded: held bytes by the credit, held or announced
 messages and grants by `max_messages` per peer (one more breaks the group, as on calls).
 A note that is not what the protocol allows (an unknown kind, DATA that was not granted, bytes
 past the credit, a message numbered twice) breaks the group naming the peer, logged. A lane
-that closes makes later sends and recvs with that peer fail at once, and those waiting fail
-with the peer's own error (the group asks the peer's Status: its group broke) or, the peer
-gone, one naming it. The group itself goes on: a peer that closes its group after the last
-collective is no error, and a dead one fails the next collective. A recv, or a send waiting
+that closes makes later sends and recvs with that peer fail at once; the group asks the peer's
+Status: those waiting fail with the peer's own error (it closed its group, or its group broke)
+and the group goes on, or, the peer not answering (dead), the group breaks naming it. A recv, or a send waiting
 for its grant, that waits past the group's timeout fails (the group's tick: `expire`); a recv
 from any rank whose ranks do not answer then breaks the group, naming them.
 """
@@ -60,9 +60,9 @@ from .p2p import byte_view
 
 log = logging.getLogger(__name__)
 
-EAGER, ANNOUNCE, GRANT, DATA, REFUSE, CREDIT, DECLINE = 1, 2, 3, 4, 5, 6, 7
+EAGER, ANNOUNCE, GRANT, DATA, REFUSE, CREDIT, DECLINE, BYE = 1, 2, 3, 4, 5, 6, 7, 8
 KIND_NAMES = {EAGER: "EAGER", ANNOUNCE: "ANNOUNCE", GRANT: "GRANT", DATA: "DATA", REFUSE: "REFUSE",
-              CREDIT: "CREDIT", DECLINE: "DECLINE"}
+              CREDIT: "CREDIT", DECLINE: "DECLINE", BYE: "BYE"}
 _NOTE = struct.Struct("<BBqQqQ")  # kind, dtype name's length, tag, number, elements, bytes
 NOTE = _NOTE.size + MAX_DTYPE_NAME  # 98 bytes, the name zero-padded
 _DISCARD = 1 << 16  # the chunk that bytes nobody takes are read into, then dropped
@@ -90,11 +90,15 @@ def parse_note(raw: bytes) -> tuple[int, int, int, int, int, str]:
         name = bytes(raw[_NOTE.size:_NOTE.size + n]).decode("ascii")
     except UnicodeDecodeError:
         raise LaneError("a dtype name that is not ASCII") from None
-    if kind != CREDIT and seq < 1:
+    if kind not in (CREDIT, BYE) and seq < 1:
         raise LaneError(f"a {KIND_NAMES[kind]} note numbered {seq}")
     if numel < 0:
         raise LaneError(f"a {KIND_NAMES[kind]} note of {numel} elements")
     return kind, tag, seq, numel, nbytes, name
+
+
+class PeerClosed(CollectiveError):
+    """The peer said BYE: it closed its group."""
 
 
 class _Recv:
@@ -273,6 +277,14 @@ class LaneMessages:
             peer.held_bytes = peer.unmatched = peer.grants = 0
         for f in futures:
             _settle(f, err)
+
+    def goodbye(self) -> None:
+        """This rank closes its group: tell every peer (BYE), so that its lanes closing next are
+        not taken for its death."""
+        with self._lock:
+            for peer in self._peers:
+                if peer is not None and peer.lost is None and self._broken is None:
+                    self._note(peer, pack_note(BYE, 0, 0))
 
     def join(self, timeout: float = 5.0) -> None:
         """Wait for the threads (after fail_all and the lanes' shutdown, they end at once)."""
@@ -540,6 +552,8 @@ class LaneMessages:
             settle: list = []
             with self._lock:
                 self._control(peer, kind, tag, seq, numel, nbytes, dtype, settle)
+            if settle and settle[-1][0] is None:  # BYE
+                self._report(settle.pop()[1], False)
             _settle_all(settle)
             return
         settle = []
@@ -657,6 +671,10 @@ class LaneMessages:
         src = peer.lane.peer
         if kind == CREDIT:
             peer.credit = min(_CREDIT_MAX, peer.credit + nbytes)
+        elif kind == BYE:
+            if peer.lost is None and self._broken is None:
+                peer.lost = PeerClosed(f"rank {src} ({self.addresses[src]}) closed its group", (src,))
+                settle.append((None, peer.lost))  # reported by the caller, once the lock is let go
         elif kind == GRANT:
             s = self._pending.pop((src, tag, seq), None)
             if s is not None:

@@ -452,22 +452,40 @@ async def test_a_message_that_does_not_fit_its_recv_fails_the_recv_and_a_waiting
         await _close(groups)
 
 
-async def test_a_dead_source_fails_the_pending_recvs_naming_it(tmp_path):
-    g0, g1 = await _groups(tmp_path, timeout=2)
+async def test_a_dead_source_fails_the_pending_recvs_and_breaks_the_group_naming_it(tmp_path):
+    g0, g1 = await _groups(tmp_path, timeout=5)
     try:
-        got = g0.recv(np.zeros(4, np.float32), 1)  # fails once rank 0 sees the lane close
-        anyone = g0.recv(np.zeros(4, np.float32), None, tag=5)  # at the timeout: no rank answers
+        got = g0.recv(np.zeros(4, np.float32), 1)
+        anyone = g0.recv(np.zeros(4, np.float32), None, tag=5)
+        await g1._server.stop()  # what a killed process looks like: no Status answer, its lanes closed
+        g1._lanes.abort(CollectiveError("killed"))
+        for fut in (got, anyone):
+            with pytest.raises(CollectiveError, match="rank 1 .*closed its message lane or is gone") as info:
+                await _wait(fut, 10)
+            assert info.value.ranks == (1,)
+        assert g0.broken is not None and g0.broken.ranks == (1,)
+    finally:
+        await _close([g0, g1])
+
+
+async def test_a_peer_that_closes_its_group_fails_what_waits_on_it_and_the_group_goes_on(tmp_path):
+    groups = await _groups(tmp_path, world=3, timeout=5)
+    g0, g1, g2 = groups
+    try:
+        got = g0.recv(np.zeros(4, np.float32), 1)
         await g1.close()
-        with pytest.raises(CollectiveError, match="rank 1 .*closed its message lane") as info:
+        with pytest.raises(CollectiveError, match="rank 1") as info:
             await _wait(got, 10)
         assert info.value.ranks == (1,)
         with pytest.raises(CollectiveError):  # later ones at once
             g0.recv(np.zeros(4, np.float32), 1)
-        with pytest.raises(CollectiveTimeout, match="rank 1 .*did not answer") as info:
-            await _wait(anyone, 10)
-        assert info.value.ranks == (1,) and g0.broken is not None
+        assert g0.broken is None  # rank 2 is still there to talk to
+        out = np.zeros(2, np.int8)
+        got = g0.recv(out, 2)
+        await _wait(g2.send(np.ones(2, np.int8), 0))
+        assert await _wait(got) == 2 and out.tolist() == [1, 1]
     finally:
-        await _close([g0, g1])
+        await _close(groups)
 
 
 async def test_a_peer_whose_group_broke_gives_its_reason_to_the_recvs_waiting_on_it(tmp_path):
