@@ -754,10 +754,12 @@ class LaneMessages:
             return False
         src = peer.lane.peer
         if isinstance(e, (TimeoutError, BlockingIOError)):
-            why = f"did not read what rank {self.rank} sent it within {self.timeout:g} s"
+            why = f"did not read what was sent to it within {self.timeout:g} s"
         else:
-            why = f"closed its message lane or is gone (seen on rank {self.rank}: {e})"
-        peer.lost = CollectiveError(f"rank {src} ({self.addresses[src]}) {why}", (src,))
+            why = f"closed its message lane or is gone: {e}"
+        # worded as on the exchange lanes: "... failed on rank R: rank P (address) ..."
+        peer.lost = CollectiveError(f"messages failed on rank {self.rank}: rank {src} ({self.addresses[src]}) "
+                                    f"{why}", (src,))
         return True
 
     # -- what tests and the group read ---------------------------------------------------------
