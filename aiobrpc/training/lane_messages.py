@@ -55,7 +55,7 @@ import numpy as np
 
 from .errors import CollectiveError, CollectiveTimeout
 from .lanes import (FRAME_BYTES, HEADER, INLINE_BYTES, MAX_DTYPE_NAME, MAX_FRAME_META, Lane, LaneError,
-                    check_data_meta, frames, parse_header, _write_now)
+                    check_data_meta, dtype_name_at, frames, parse_header, timeval, _write_now)
 from .p2p import byte_view
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,7 @@ def parse_note(raw: bytes) -> tuple[int, int, int, int, int, str]:
     kind, n, tag, seq, numel, nbytes = _NOTE.unpack_from(raw)
     if kind not in KIND_NAMES:
         raise LaneError(f"a note of unknown kind {kind}")
-    if n > MAX_DTYPE_NAME:
-        raise LaneError(f"a dtype name of {n} bytes, more than {MAX_DTYPE_NAME}")
-    try:
-        name = bytes(raw[_NOTE.size:_NOTE.size + n]).decode("ascii")
-    except UnicodeDecodeError:
-        raise LaneError("a dtype name that is not ASCII") from None
+    name = dtype_name_at(raw, _NOTE.size, n)
     if kind not in (CREDIT, BYE) and seq < 1:
         raise LaneError(f"a {KIND_NAMES[kind]} note numbered {seq}")
     if numel < 0:
@@ -504,7 +499,7 @@ class LaneMessages:
             error = None
             try:
                 sock = peer.lane.sock
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.timeout))
                 for b in bufs:
                     sock.sendall(b)
             except OSError as e:
@@ -835,11 +830,6 @@ def _continues(lane: Lane, meta: bytes) -> bool:
 
 
 _TIMEVAL = struct.Struct("@ll")
-
-
-def _timeval(seconds: float) -> bytes:
-    sec = int(seconds)
-    return _TIMEVAL.pack(sec, max(1, int((seconds - sec) * 1e6)) if sec == 0 else int((seconds - sec) * 1e6))
 
 
 def _settle(future: concurrent.futures.Future, value: Any) -> None:

@@ -214,13 +214,17 @@ def parse_descriptor(raw: bytes) -> tuple[int, int, int, int, str]:
     if len(raw) != DESCRIPTOR:
         raise LaneError(f"a descriptor of {len(raw)} bytes, not {DESCRIPTOR}")
     seq, part, numel, nbytes, n = _DESC.unpack_from(raw)
+    return seq, part, numel, nbytes, dtype_name_at(raw, _DESC.size, n)
+
+
+def dtype_name_at(raw: bytes, at: int, n: int) -> str:
+    """The `n`-byte dtype name at `at` of a descriptor or note; LaneError if too long or not ASCII."""
     if n > MAX_DTYPE_NAME:
         raise LaneError(f"a dtype name of {n} bytes, more than {MAX_DTYPE_NAME}")
     try:
-        name = bytes(raw[_DESC.size:_DESC.size + n]).decode("ascii")
+        return bytes(raw[at:at + n]).decode("ascii")
     except UnicodeDecodeError:
         raise LaneError("a dtype name that is not ASCII") from None
-    return seq, part, numel, nbytes, name
 
 
 def frame_head(mine: int, peer: int, payload: int, continues: bool) -> bytes:
@@ -692,9 +696,14 @@ def _arm(sock: socket.socket, option: int, deadline: Deadline) -> None:
     left = deadline.left()
     if left <= 0:
         raise TimeoutError(f"{deadline.what}: no time left")
-    sec = int(left)
-    usec = max(1, int((left - sec) * 1e6)) if sec == 0 else int((left - sec) * 1e6)  # {0, 0}: no timeout
-    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(sec, usec))
+    sock.setsockopt(socket.SOL_SOCKET, option, timeval(left))
+
+
+def timeval(seconds: float) -> bytes:
+    """A socket timeout option's value for `seconds` > 0 (never {0, 0}, which means none)."""
+    sec = int(seconds)
+    usec = int((seconds - sec) * 1e6)
+    return _TIMEVAL.pack(sec, max(1, usec) if sec == 0 else usec)
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: Deadline, peer: int, address: str) -> bytes:
