@@ -45,7 +45,7 @@ from . import ops
 from . import p2p as p2p_mod
 from .errors import CollectiveError, CollectiveTimeout
 from .exchange import all_to_all, gather, scatter
-from .lane_messages import LaneMessages, PeerClosed
+from .lane_messages import LaneMessages, PeerBroke, PeerClosed
 from .lanes import Deadline, LaneLost, Lanes
 from .reduce import ReduceOp, reduce_op
 
@@ -173,6 +173,8 @@ class Group:
         self._next_seq = 1
         self._tail: asyncio.Future | None = None
         self._current: _Flight | None = None
+        # The exchange on lanes in flight: when its diagnosis is due, and a future done once it ran.
+        self._diagnosis: tuple[float, asyncio.Future] | None = None
         self._waiters: dict[int, asyncio.Future] = {}
         self._broken: CollectiveError | None = None
         self._closed = False
@@ -433,10 +435,11 @@ class Group:
         diagnosis_at = self._loop.time() + max(0.0, self.timeout - _probe_time(self.timeout))
         timer = self._loop.call_at(diagnosis_at, lambda: self._spawn(
             self._diagnose_lanes(seq, what, ended, diagnosed)))
+        self._diagnosis = (diagnosis_at, diagnosed)
         try:
             await self._loop.run_in_executor(self._lane_pool, fn, seq, *args, deadline)
         except LaneLost as e:
-            self._fail(await self._why_lost(e, diagnosed, diagnosis_at))
+            self._fail(await self._why_lost(e))
             raise self._broken from None
         except CollectiveError as e:
             self._fail(e)
@@ -450,24 +453,33 @@ class Group:
         finally:
             ended[0] = True
             timer.cancel()
+            if self._diagnosis is not None and self._diagnosis[1] is diagnosed:
+                self._diagnosis = None
 
-    async def _why_lost(self, lost: LaneLost, diagnosed: asyncio.Future, diagnosis_at: float) -> CollectiveError:
+    async def _own_diagnosis_first(self) -> bool:
+        """A peer gone without a word near the timeout may have timed out and exited (a timeout
+        is not told: every rank finds it). Then this rank's own diagnosis of the exchange in
+        flight, due or running, names the culprit, not the peer that merely left first: wait
+        for it. True if the group broke meanwhile."""
+        if self._diagnosis is not None:
+            diagnosis_at, diagnosed = self._diagnosis
+            wait = diagnosis_at - self._loop.time()
+            if wait < _probe_time(self.timeout):  # due or running
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(diagnosed),
+                                           max(0.0, wait) + _probe_time(self.timeout) + 1.0)
+        return self._broken is not None
+
+    async def _why_lost(self, lost: LaneLost) -> CollectiveError:
         """A lane closed by its peer: the peer died, or its group broke and it shut its lanes
-        (before its Abort, if any, reached this rank). Its Status tells which. Near the
-        timeout a peer that timed out may also have exited already (a timeout is not told:
-        every rank finds it): then this rank's own diagnosis, due or running, names the
-        culprit, not the peer that merely left first."""
+        (before its Abort, if any, reached this rank). Its Status tells which; no answer near
+        the timeout leaves it to this rank's own diagnosis (`_own_diagnosis_first`)."""
         end = self._loop.time() + CONTROL_TIMEOUT_S
         while self._broken is None:  # an Abort or this rank's own diagnosis may come meanwhile
             answer = await self._status_of(lost.peer)
             if isinstance(answer, RpcError):  # no answer: dead, unless the timeout explains it
-                wait = diagnosis_at - self._loop.time()
-                if wait < _probe_time(self.timeout):  # this rank's diagnosis is due or running
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(diagnosed),
-                                               max(0.0, wait) + _probe_time(self.timeout) + 1.0)
-                    if self._broken is not None:
-                        return self._broken
+                if await self._own_diagnosis_first():
+                    return self._broken
                 return CollectiveError(str(lost), lost.ranks)
             if answer.error:
                 return _error(f"{answer.error} (reported to rank {self.rank} by rank {lost.peer})",
@@ -703,6 +715,7 @@ class Group:
         if self.p2p is not None:
             self.p2p.fail_all(err)
         if self.messages is not None:
+            self.messages.goodbye(broke=True)  # before the lanes shut: the peers take it for no death
             self.messages.fail_all(err)
         if self._lanes is not None:
             self._lanes.abort(err)
@@ -751,15 +764,20 @@ class Group:
                 return e
 
         answers = await asyncio.gather(*(status(r) for r in peers))
-        blamed, notes = [], []
+        blamed, notes, excused = [], [], []
         for r, a in zip(peers, answers):
             if isinstance(a, RpcError):
+                left = self.messages.left(r) if self.messages is not None else None
+                if isinstance(left, PeerBroke):  # it gave up as this rank does, likely on the same culprit
+                    excused.append(r)
+                    notes.append(str(left))
+                    continue
                 blamed.append(r)
                 notes.append(f"rank {r} ({self.addresses[r]}) did not answer: [E{a.code}]{a.text}")
             elif a.ops_started < seq:
                 blamed.append(r)
                 notes.append(f"rank {r} has not started it (it has started {a.ops_started} collectives)")
-        return blamed, notes
+        return blamed or excused, notes
 
     # -- messages on lanes: a peer's report, and the timeouts ----------------------------------
     def _mail_report(self, err: CollectiveError, fatal: bool) -> None:
@@ -775,17 +793,24 @@ class Group:
         """A message lane closed: the peer died, or it closed its group or its group broke and
         it shut its lanes; a BYE, or else its Status, tells which. A peer that said BYE or
         answers (broken) fails what waits on it, with its reason, and the group goes on: a
-        rank that closes after the last collective is no error. A peer that does not answer is dead: the group
-        breaks naming it and every rank is told, as on calls (a rank that only waited on it
-        would otherwise exit unheard, and its peers blame it)."""
+        rank that closes after the last collective is no error. A peer that does not answer is
+        dead: the group breaks naming it and every rank is told, as on calls (a rank that only
+        waited on it would otherwise exit unheard, and its peers blame it)."""
         peer = err.ranks[0]
         end = self._loop.time() + CONTROL_TIMEOUT_S
+        said_bye = isinstance(err, PeerClosed)
+        if isinstance(err, PeerBroke):  # alive a moment more, maybe: its reason beats "it broke"
+            answer = await self._status_of(peer)
+            if not isinstance(answer, RpcError) and answer.error:
+                err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,
+                             answer.timed_out)
         # A peer shuts a lane a moment before its group is marked broken: one that answers
         # without an error is asked again, for a little while. One that said BYE closed.
-        while self._broken is None and not self._closed and not isinstance(err, PeerClosed):
+        while self._broken is None and not self._closed and not said_bye:
             answer = await self._status_of(peer)
-            if isinstance(answer, RpcError):  # gone
-                self._fail(err)
+            if isinstance(answer, RpcError):  # gone: dead, unless the timeout explains it
+                if not await self._own_diagnosis_first():
+                    self._fail(err)
                 break
             if answer.error:
                 err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,

@@ -25,7 +25,8 @@ a NOTE: its kind, tag, number on the tag, elements, bytes and dtype name. The ki
 - DECLINE (no data; from the sender): the GRANT of message (tag, number) does not fit what it
   sends (in the note): the granted recv fails.
 - CREDIT (no data): `bytes` more of held messages may come.
-- BYE (no data): the sender closes its group; its lane closing next is no death.
+- BYE (no data): the sender leaves: it closes its group (elements 0) or its group broke
+  (elements 1). Its lane closing next is no death.
 
 Messages from one rank on one tag match their recvs in the order sent (the number), as with
 gloo. What a peer makes this rank keep is bounded: held bytes by the credit, held or announced
@@ -34,7 +35,8 @@ A note that is not what the protocol allows (an unknown kind, DATA that was not 
 past the credit, a message numbered twice) breaks the group naming the peer, logged. A lane
 that closes makes later sends and recvs with that peer fail at once; the group asks the peer's
 Status: those waiting fail with the peer's own error (it closed its group, or its group broke)
-and the group goes on, or, the peer not answering (dead), the group breaks naming it. A recv, or a send waiting
+and the group goes on, or, the peer not answering and not having said BYE (dead), the group
+breaks naming it. A recv, or a send waiting
 for its grant, that waits past the group's timeout fails (the group's tick: `expire`); a recv
 from any rank whose ranks do not answer then breaks the group, naming them.
 """
@@ -87,13 +89,17 @@ def parse_note(raw: bytes) -> tuple[int, int, int, int, int, str]:
     name = dtype_name_at(raw, _NOTE.size, n)
     if kind not in (CREDIT, BYE) and seq < 1:
         raise LaneError(f"a {KIND_NAMES[kind]} note numbered {seq}")
-    if numel < 0:
+    if numel < 0 or (kind == BYE and numel > 1):
         raise LaneError(f"a {KIND_NAMES[kind]} note of {numel} elements")
     return kind, tag, seq, numel, nbytes, name
 
 
 class PeerClosed(CollectiveError):
-    """The peer said BYE: it closed its group."""
+    """The peer said BYE: it closed its group, or its group broke (`PeerBroke`)."""
+
+
+class PeerBroke(PeerClosed):
+    """The peer said BYE as its group broke: it is alive, and its Status may say why."""
 
 
 class _Recv:
@@ -201,6 +207,7 @@ class LaneMessages:
         self._pending: dict[tuple[int, int, int], _Send] = {}  # (dst, tag, number): announced
         self._grants: dict[tuple[int, int, int], tuple[str, int, int]] = {}  # (src, tag, number)
         self._broken: CollectiveError | None = None
+        self._said_bye = False
         self._writes: collections.deque = collections.deque()
         self._wake = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
@@ -273,13 +280,18 @@ class LaneMessages:
         for f in futures:
             _settle(f, err)
 
-    def goodbye(self) -> None:
-        """This rank closes its group: tell every peer (BYE), so that its lanes closing next are
-        not taken for its death."""
+    def goodbye(self, broke: bool = False) -> None:
+        """This rank closes its group, or its group broke: tell every peer (BYE, once), so that
+        its lanes closing next are not taken for its death. A rank whose group broke on a
+        timeout exits at once, not telling (every rank finds a timeout itself): without the
+        BYE its idle peers, finding it gone, would break their groups blaming it."""
         with self._lock:
+            if self._said_bye or self._broken is not None:
+                return
+            self._said_bye = True
             for peer in self._peers:
-                if peer is not None and peer.lost is None and self._broken is None:
-                    self._note(peer, pack_note(BYE, 0, 0))
+                if peer is not None and peer.lost is None:
+                    self._note(peer, pack_note(BYE, 0, 0, int(broke)))
 
     def join(self, timeout: float = 5.0) -> None:
         """Wait for the threads (after fail_all and the lanes' shutdown, they end at once)."""
@@ -668,7 +680,8 @@ class LaneMessages:
             peer.credit = min(_CREDIT_MAX, peer.credit + nbytes)
         elif kind == BYE:
             if peer.lost is None and self._broken is None:
-                peer.lost = PeerClosed(f"rank {src} ({self.addresses[src]}) closed its group", (src,))
+                peer.lost = (PeerBroke(f"rank {src} ({self.addresses[src]}) left: its group broke", (src,)) if numel
+                             else PeerClosed(f"rank {src} ({self.addresses[src]}) closed its group", (src,)))
                 settle.append((None, peer.lost))  # reported by the caller, once the lock is let go
         elif kind == GRANT:
             s = self._pending.pop((src, tag, seq), None)
@@ -758,6 +771,12 @@ class LaneMessages:
         return True
 
     # -- what tests and the group read ---------------------------------------------------------
+    def left(self, rank: int) -> PeerClosed | None:
+        """What `rank` said as it left (BYE), if it did."""
+        with self._lock:
+            lost = self._peers[rank].lost
+        return lost if isinstance(lost, PeerClosed) else None
+
     def held_bytes(self) -> list[int]:
         return [0 if p is None else p.held_bytes for p in self._peers]
 

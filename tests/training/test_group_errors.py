@@ -51,3 +51,27 @@ async def test_an_abort_from_another_rank_raises_its_error_type(error_type, tmp_
         assert "reported to rank 0 by rank 1" in str(info.value) and info.value.ranks == (7,)
     finally:
         await _close(groups)
+
+
+async def test_a_peer_that_timed_out_and_left_first_is_not_blamed_for_the_timeout(tmp_path):
+    """Ranks 0 and 2 wait on rank 1, which never starts the all_reduce. Rank 2 times out first and
+    closes (a timeout is not told, and a broken group says no BYE): its lanes, message lanes too,
+    close shortly before rank 0's own diagnosis. Rank 0 must blame rank 1, as rank 2 did, not the
+    rank that merely left first (once seen in a fresh clone: the message lane's loss won)."""
+    from tests.training.inloop import close_groups, make_groups
+
+    timeout = 2.0
+    groups = await make_groups(tmp_path, world=3, timeout=timeout)
+    try:
+        pending = [asyncio.ensure_future(groups[r].all_reduce(np.ones(1000, np.float32))) for r in (0, 2)]
+        await asyncio.sleep(timeout * 0.6)  # within the quarter before rank 0's diagnosis is due
+        groups[2]._fail(CollectiveTimeout("rank 2 found rank 1 had not started it", (1,)), tell_peers=False)
+        await groups[2].close()
+        with pytest.raises(CollectiveTimeout) as info:
+            await pending[0]
+        assert info.value.ranks == (1,) and "rank 1 has not started it" in str(info.value), info.value
+        assert groups[0].broken is info.value and groups[1].broken is None  # nobody blamed rank 2
+        with pytest.raises(CollectiveError):
+            await pending[1]
+    finally:
+        await close_groups(groups)

@@ -499,6 +499,35 @@ async def test_a_peer_whose_group_broke_gives_its_reason_to_the_recvs_waiting_on
         await _close(groups)
 
 
+async def test_a_peer_whose_group_broke_and_that_left_at_once_is_not_taken_for_dead(tmp_path):
+    """Its group broken (a timeout is not told), a rank exits at once: it said BYE as its group
+    broke, so its peers fail what waits on it and go on (before, finding it gone, an idle peer
+    broke its group blaming it, and told every rank so)."""
+    groups = await _groups(tmp_path, world=3, timeout=5)
+    g0, g1, g2 = groups
+    try:
+        got = g0.recv(np.zeros(4, np.float32), 1)
+        g1._fail(CollectiveTimeout("rank 1 found rank 9 hung", (9,)), tell_peers=False)
+        await g1.close()
+        with pytest.raises(CollectiveError, match="rank 1") as info:
+            await _wait(got, 10)
+        assert info.value.ranks in ((1,), (9,)), info.value  # "left: its group broke", or its reason
+        await asyncio.sleep(0.3)  # what the lane's loss set off has run
+        assert g0.broken is None and g2.broken is None
+        out = np.zeros(2, np.int8)
+        got = g0.recv(out, 2)
+        await _wait(g2.send(np.ones(2, np.int8), 0))
+        assert await _wait(got) == 2 and out.tolist() == [1, 1]
+    finally:
+        await _close(groups)
+
+
+def test_a_bye_says_closed_or_broke_and_nothing_else():
+    assert M.parse_note(M.pack_note(M.BYE, 0, 0, 1))[3] == 1
+    with pytest.raises(M.LaneError, match="BYE note of 2 elements"):
+        M.parse_note(M.pack_note(M.BYE, 0, 0, 2))
+
+
 async def test_a_recv_with_no_send_times_out_without_breaking_the_group(tmp_path):
     g0, g1 = groups = await _groups(tmp_path, timeout=1)
     try:
