@@ -51,6 +51,7 @@ from .._fast.meta import RpcMeta, decode_meta, pack_head
 from .._proto import collective_pb2 as pb
 from ..errors import RemoteProtocolError
 from ..protocol import streaming
+from ..transport.tcp import RateLimitedLog
 from .errors import CollectiveError, CollectiveTimeout
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ MAX_DTYPE_NAME = 64
 _DESC = struct.Struct("<QIqQB")  # exchange number, part, elements, bytes, dtype name's length
 DESCRIPTOR = _DESC.size + MAX_DTYPE_NAME  # 93 bytes, the name zero-padded
 HANDSHAKE_TIMEOUT_S = 10.0
+REFUSALS_LOGGED_PER_S = 20  # refused connections to a lane port logged each second; the rest counted
 INLINE_BYTES = 64 << 10  # messages up to this size are written by the exchange's own thread
 
 
@@ -283,6 +285,9 @@ class Lanes:
         self.world_size = world_size
         self._lanes: list[Lane | None] = [None] * world_size
         self.mail: list[Lane | None] = [None] * world_size  # the lanes of messages (lane_messages.py)
+        # Strangers may connect to the lane port while it waits for the ranks: a flood of them logs
+        # a bounded number of lines.
+        self._refusal_log = RateLimitedLog(log, burst=REFUSALS_LOGGED_PER_S)
         self._listener: socket.socket | None = socket.create_server((host, 0))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._sender: concurrent.futures.ThreadPoolExecutor | None = None
@@ -405,7 +410,8 @@ class Lanes:
                 raise LaneError(f"rank {src} offered stream {theirs}, not {stream_id(src)}")
             sock.sendall(open_response(self.rank))
         except (LaneError, CollectiveError, OSError) as e:
-            log.warning("lane port of rank %d: refused a connection from %s: %s", self.rank, who, e)
+            self._refusal_log(logging.WARNING, "lane port of rank %d: refused a connection from %s: %s",
+                              self.rank, who, e)
             if isinstance(e, LaneError):
                 try:
                     sock.sendmsg([open_response(self.rank, str(e)[:200])], [], socket.MSG_DONTWAIT)

@@ -43,25 +43,31 @@ _LOG_INTERVAL = 1.0
 
 
 class RateLimitedLog:
-    """At most one record per interval for a noisy cause; counts what it suppressed."""
+    """At most `burst` records per interval for a noisy cause (to `logger`, default this
+    module's); counts what it suppressed and says so in the next record."""
 
-    __slots__ = ("_next", "suppressed")
+    __slots__ = ("_next", "_left", "_burst", "_log", "suppressed")
 
-    def __init__(self) -> None:
+    def __init__(self, logger: logging.Logger | None = None, burst: int = 1) -> None:
         self._next = 0.0
+        self._burst = self._left = burst
+        self._log = logger or log
         self.suppressed = 0
 
     def __call__(self, level: int, msg: str, *args) -> None:
         now = time.monotonic()
-        if now < self._next:
+        if now >= self._next:
+            self._next = now + _LOG_INTERVAL
+            self._left = self._burst
+        if self._left <= 0:
             self.suppressed += 1
             return
-        self._next = now + _LOG_INTERVAL
+        self._left -= 1
         if self.suppressed:
             msg += " (%d similar messages suppressed)"
             args = (*args, self.suppressed)
             self.suppressed = 0
-        log.log(level, msg, *args)
+        self._log.log(level, msg, *args)
 
 
 protocol_error_log = RateLimitedLog()

@@ -7,6 +7,7 @@ are open."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -267,6 +268,39 @@ def test_the_lane_port_refuses_strangers_then_opens_the_real_lane(caplog, monkey
         assert sum("refused a connection" in r.getMessage() for r in caplog.records) == len(HANDSHAKES)
         with pytest.raises(OSError):  # the port is closed once the lanes are open
             socket.create_connection((host, int(port)), timeout=2).close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_flood_of_strangers_on_the_lane_port_logs_a_bounded_number_of_lines(caplog, monkeypatch):
+    from aiobrpc.transport import tcp
+    caplog.set_level(logging.WARNING, "aiobrpc.training.lanes")
+    monkeypatch.setattr(L, "REFUSALS_LOGGED_PER_S", 3)
+    monkeypatch.setattr(tcp, "_LOG_INTERVAL", 3600.0)  # one window for the whole test
+    b = L.Lanes(1, 2, "127.0.0.1")
+    b.group_id = "g"
+    a = L.Lanes(0, 2, "127.0.0.1")
+    a.group_id = "g"
+    addresses = [a.address, b.address]
+    errs = []
+    t = threading.Thread(target=lambda: _catch(errs, b.open, addresses, 30.0))
+    t.start()
+    host, port = b.address.rsplit(":", 1)
+    for _ in range(30):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(HANDSHAKES["garbage"])
+            s.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                while s.recv(4096):  # refused and closed
+                    pass
+    a.open(addresses, 10.0)
+    t.join()
+    try:
+        assert not errs, errs
+        assert b._lanes[0] is not None  # the real lane opened after the flood
+        assert sum("refused a connection" in r.getMessage() for r in caplog.records) == 3
+        assert b._refusal_log.suppressed == 27
     finally:
         a.close()
         b.close()
