@@ -39,11 +39,13 @@ MODULES = (
     "aiobrpc._fast.iobuf",
     "aiobrpc._fast.framing",
     "aiobrpc._fast.meta",
+    "aiobrpc._fast.sgd",
 )
 
 # Modules of MODULES that index raw buffers: compiled with C semantics (no bounds checks, no
 # negative indexes, C division), their C code written under `if cython.compiled:`.
-C_SEMANTICS = ("aiobrpc._fast.iobuf", "aiobrpc._fast.framing", "aiobrpc._fast.meta")
+C_SEMANTICS = ("aiobrpc._fast.iobuf", "aiobrpc._fast.framing", "aiobrpc._fast.meta",
+               "aiobrpc._fast.sgd")
 
 ENV = "AIOBRPC_NO_EXTENSIONS"
 

@@ -11,12 +11,14 @@ instructions with callgrind, which a busy machine does not bend:
         $PYTHON bench/kernels.py --case meta_decode --calls $n 2>&1 | grep Collected; done What is
 timed is what one call of the call path does with each kernel: the receive buffer's read and
 take of small frames, a large frame's own buffer, the send chain's append and cut, the frame
-header and meta codec. The last line printed is JSON.
+header and meta codec; and the parameter server's SGD step over a 16 MiB key. The last line
+printed is JSON. `AIOBRPC_NO_EXTENSIONS=1 python bench/kernels.py` times the Python builds.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -108,11 +110,24 @@ def cases(fast) -> dict:
     def header_pack():
         pack(b"PRPC", 100, 20)
 
-    return {"read_small_frames/64": read_small_frames, "read_large_frame_1MiB": read_large_frame,
-            "iobuf_append_cut": iobuf_append_cut, "byte_view": byte_view,
-            "feed_next_split": split_payload, "meta_encode": meta_encode,
-            "meta_decode": meta_decode, "meta_pack_head": meta_pack_head,
-            "pack_header": header_pack}
+    out = {"read_small_frames/64": read_small_frames, "read_large_frame_1MiB": read_large_frame,
+           "iobuf_append_cut": iobuf_append_cut, "byte_view": byte_view,
+           "feed_next_split": split_payload, "meta_encode": meta_encode,
+           "meta_decode": meta_decode, "meta_pack_head": meta_pack_head,
+           "pack_header": header_pack}
+    try:
+        import numpy as np
+    except ImportError:  # the parameter server's step needs numpy (the bench extra has it)
+        return out
+    sgd = importlib.import_module(fast.__name__ + ".sgd")
+    value, grad = np.zeros(4 << 20, np.float32), np.ones(4 << 20, np.float32)
+
+    def sgd_step_16MiB():
+        # The parameter server's SGD step over a 16 MiB float32 key (value -= lr * grad).
+        sgd.sub_scaled(value, grad, 1e-6)
+
+    out["sgd_step_16MiB_float32"] = sgd_step_16MiB
+    return out
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """The hot path: the kernels of the call path (receive buffer and send chain, frame reader,
-meta codec).
+meta codec), and the parameter server's SGD step (`sgd`, imported by its optimizer only).
 
 Each is one source, compiled in place like the other modules of aiobrpc/_compiled.py: compiled
 or Python is chosen once per process (Python where they are not built or

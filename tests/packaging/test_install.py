@@ -30,6 +30,7 @@ RUNTIME_FILES = (
     "aiobrpc/_proto/brpc_meta_pb2.py",
     "aiobrpc/metrics.pxd",
     "aiobrpc/_fast/iobuf.pxd",
+    "aiobrpc/_fast/sgd.pxd",
 )
 ECHO = textwrap.dedent("""
     import asyncio, aiobrpc

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import aiobrpc
+from aiobrpc import _compiled
+from aiobrpc._fast import sgd
 from aiobrpc.training.ps import optim, server, sharding, store, worker
 from aiobrpc.training.ps.optim import SGD, Adam, Sum
 from aiobrpc.training.ps.sharding import key_hash, shard_of
@@ -61,17 +63,59 @@ def test_sgd_and_sum_rules():
         Adam(betas=(0.9, 1.0))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("size", [optim._CHUNK - 1, optim._CHUNK, 2 * optim._CHUNK + 7])
-def test_sgd_of_a_large_key_equals_numpy_bit_for_bit(size, dtype):
-    """Keys larger than the scratch are stepped a scratch at a time: the same two roundings
-    (product, then difference) as numpy's expression, element for element, tail included."""
+def _specials(a: np.ndarray) -> None:
+    info = np.finfo(a.dtype)
+    flat = a.reshape(-1)
+    flat[:min(8, flat.size)] = [np.nan, np.inf, -np.inf, -0.0, info.tiny / 4, info.max, -info.max, info.tiny][
+        :min(8, flat.size)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("size", [0, 1, 7, sgd.CHUNK - 1, sgd.CHUNK, 2 * sgd.CHUNK + 7])
+def test_sgd_equals_numpy_bit_for_bit(size, dtype):
+    """The step rounds as numpy's expression does (product, then difference), element for
+    element, whichever path takes it: the compiled loop (float32, float64), numpy a scratch at
+    a time (keys larger than the scratch), numpy whole; NaN, infinities, subnormals, -0.0 and
+    overflow included."""
     rng = np.random.default_rng(size)
     w = rng.standard_normal(size).astype(dtype).reshape(-1, 1)  # 2-D: flattened views inside
     g = rng.standard_normal(size).astype(dtype).reshape(-1, 1)
-    expected = w - g * dtype(0.37)
-    SGD(lr=0.37).apply(w, g, None)
-    assert w.dtype == dtype and np.array_equal(w, expected)
+    _specials(w)
+    _specials(g[::-1])
+    with np.errstate(all="ignore"):
+        expected = w - g * dtype(0.37)
+        SGD(lr=0.37).apply(w, g, None)
+    assert w.dtype == dtype and w.tobytes() == expected.tobytes()
+
+
+def test_sgd_takes_a_gradient_that_is_not_aligned_or_not_contiguous():
+    raw = np.zeros(4 * 1001 + 1, np.uint8)
+    g = np.frombuffer(raw.data, np.float32, 1000, 1)  # as a view of an attachment at an odd offset
+    assert not g.flags.aligned
+    g_values = np.arange(1000, dtype=np.float32)
+    raw[1:4001] = g_values.view(np.uint8)
+    w = np.ones(1000, np.float32)
+    SGD(lr=0.5).apply(w, g, None)
+    assert w.tobytes() == (np.ones(1000, np.float32) - g_values * np.float32(0.5)).tobytes()
+    w2 = np.ones((10, 10), np.float64)
+    g2 = np.arange(200, dtype=np.float64).reshape(10, 20)[:, ::2]
+    SGD(lr=0.25).apply(w2, g2, None)
+    assert w2.tobytes() == (np.ones((10, 10)) - g2 * 0.25).tobytes()
+
+
+def test_the_compiled_sgd_step_equals_its_python_build():
+    python = _compiled.load_source("aiobrpc._fast.sgd")
+    rng = np.random.default_rng(5)
+    for dtype in (np.float32, np.float64):
+        w = rng.standard_normal(3 * sgd.CHUNK + 5).astype(dtype)
+        g = rng.standard_normal(w.size).astype(dtype)
+        _specials(w)
+        a, b = w.copy(), w.copy()
+        with np.errstate(all="ignore"):
+            sgd.sub_scaled(a, g, 1e-3)
+            python.sub_scaled(b, g, 1e-3)
+        assert a.tobytes() == b.tobytes()
+    assert python.__file__.endswith("sgd.py")
 
 
 def adam_reference(w, grads, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
