@@ -103,6 +103,18 @@ def test_sgd_takes_a_gradient_that_is_not_aligned_or_not_contiguous():
     assert w2.tobytes() == (np.ones((10, 10)) - g2 * 0.25).tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sgd_reads_a_gradient_that_overlaps_the_value_as_if_copied_first(dtype):
+    buf = np.arange(20, dtype=dtype)
+    value, grad = buf[2:12], buf[0:10]  # grad[i + 2] is value[i]: a loop would read its own writes
+    expected = value - grad.copy() * dtype(0.5)
+    sgd.sub_scaled(value, grad, 0.5)
+    assert value.tobytes() == expected.tobytes()
+    same = np.arange(10, dtype=dtype)
+    sgd.sub_scaled(same, same, 0.5)
+    assert same.tobytes() == (np.arange(10, dtype=dtype) * dtype(0.5)).tobytes()
+
+
 def test_the_compiled_sgd_step_equals_its_python_build():
     python = _compiled.load_source("aiobrpc._fast.sgd")
     rng = np.random.default_rng(5)
