@@ -3,12 +3,9 @@
 
 cimport cython
 
-@cython.locals(n=size_t, pv=size_t, pg=size_t)
-cdef bint _sub_f32(float[::1] v, const float[::1] g, float a)
-@cython.locals(n=size_t, pv=size_t, pg=size_t)
-cdef bint _sub_f64(double[::1] v, const double[::1] g, double a)
+ctypedef fused real:
+    float
+    double
 
-@cython.locals(i=Py_ssize_t)
-cdef void _loop_f32(float[::1] v, const float[::1] g, float a) noexcept nogil
-@cython.locals(i=Py_ssize_t)
-cdef void _loop_f64(double[::1] v, const double[::1] g, double a) noexcept nogil
+@cython.locals(n=size_t, pv=size_t, pg=size_t, i=Py_ssize_t)
+cdef bint _sub(real[::1] v, const real[::1] g, real a)

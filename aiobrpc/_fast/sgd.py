@@ -33,10 +33,10 @@ def sub_scaled(value: Any, grad: Any, alpha: float) -> None:
         if (grad.dtype == dtype and dtype.isnative and value.size == grad.size and value.flags.c_contiguous
                 and value.flags.aligned and grad.flags.c_contiguous and grad.flags.aligned):
             if dtype.char == "f":  # float32
-                if _sub_f32(value.reshape(-1), grad.reshape(-1), a):
+                if _sub[cython.float](value.reshape(-1), grad.reshape(-1), a):
                     return
             elif dtype.char == "d":  # float64
-                if _sub_f64(value.reshape(-1), grad.reshape(-1), a):
+                if _sub[cython.double](value.reshape(-1), grad.reshape(-1), a):
                     return
     _sub_numpy(value, grad, a)
 
@@ -55,37 +55,16 @@ def _sub_numpy(value: Any, grad: Any, a: Any) -> None:
         np.subtract(v[i:i + n], scratch[:n], out=v[i:i + n])
 
 
-def _sub_f32(v, g, a) -> bool:
-    """False where `g` overlaps `v` other than element for element (numpy reads such a
-    gradient as if copied first; the loop would read what it already wrote)."""
-    n = v.shape[0] * cython.sizeof(cython.float)
+def _sub(v, g, a) -> bool:
+    """(float32 or float64.) False where `g` overlaps `v` other than element for element
+    (numpy reads such a gradient as if copied first; the loop would read its own writes)."""
+    n = v.shape[0] * cython.sizeof(a)
     if n:
         pv = cython.cast(cython.size_t, cython.address(v[0]))
         pg = cython.cast(cython.size_t, cython.address(g[0]))
         if pv != pg and pv < pg + n and pg < pv + n:
             return False
     with cython.nogil:
-        _loop_f32(v, g, a)
+        for i in range(v.shape[0]):
+            v[i] = v[i] - a * g[i]
     return True
-
-
-def _sub_f64(v, g, a) -> bool:
-    n = v.shape[0] * cython.sizeof(cython.double)
-    if n:
-        pv = cython.cast(cython.size_t, cython.address(v[0]))
-        pg = cython.cast(cython.size_t, cython.address(g[0]))
-        if pv != pg and pv < pg + n and pg < pv + n:
-            return False
-    with cython.nogil:
-        _loop_f64(v, g, a)
-    return True
-
-
-def _loop_f32(v, g, a) -> None:
-    for i in range(v.shape[0]):
-        v[i] = v[i] - a * g[i]
-
-
-def _loop_f64(v, g, a) -> None:
-    for i in range(v.shape[0]):
-        v[i] = v[i] - a * g[i]
