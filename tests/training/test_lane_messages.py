@@ -419,6 +419,14 @@ async def test_too_many_unmatched_messages_break_the_group_and_the_sender_learns
         await _close(groups)
 
 
+async def _still_talk(sender, receiver) -> None:
+    """A message from `sender` reaches `receiver`: their lane works."""
+    out = np.zeros(2, np.int8)
+    got = receiver.recv(out, sender.rank)
+    await _wait(sender.send(np.ones(2, np.int8), receiver.rank))
+    assert await _wait(got) == sender.rank and out.tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("size", [10, 100_000])  # eager, or announced
 @pytest.mark.parametrize("recv_first", [True, False])
 async def test_a_message_that_does_not_fit_its_recv_fails_the_recv_and_a_waiting_sender(
@@ -444,10 +452,7 @@ async def test_a_message_that_does_not_fit_its_recv_fails_the_recv_and_a_waiting
                 await _wait(sent)
         assert "does not fit" in caplog.text
         assert g0.broken is None and g1.broken is None  # only the messages fail
-        ok = np.zeros(2, np.int8)
-        got = g1.recv(ok, 0)
-        await _wait(g0.send(np.ones(2, np.int8), 1))
-        assert await _wait(got) == 0 and ok.tolist() == [1, 1]
+        await _still_talk(g0, g1)
     finally:
         await _close(groups)
 
@@ -480,10 +485,7 @@ async def test_a_peer_that_closes_its_group_fails_what_waits_on_it_and_the_group
         with pytest.raises(CollectiveError):  # later ones at once
             g0.recv(np.zeros(4, np.float32), 1)
         assert g0.broken is None  # rank 2 is still there to talk to
-        out = np.zeros(2, np.int8)
-        got = g0.recv(out, 2)
-        await _wait(g2.send(np.ones(2, np.int8), 0))
-        assert await _wait(got) == 2 and out.tolist() == [1, 1]
+        await _still_talk(g2, g0)
     finally:
         await _close(groups)
 
@@ -514,10 +516,7 @@ async def test_a_peer_whose_group_broke_and_that_left_at_once_is_not_taken_for_d
         assert info.value.ranks in ((1,), (9,)), info.value  # "left: its group broke", or its reason
         await asyncio.sleep(0.3)  # what the lane's loss set off has run
         assert g0.broken is None and g2.broken is None
-        out = np.zeros(2, np.int8)
-        got = g0.recv(out, 2)
-        await _wait(g2.send(np.ones(2, np.int8), 0))
-        assert await _wait(got) == 2 and out.tolist() == [1, 1]
+        await _still_talk(g2, g0)
     finally:
         await _close(groups)
 

@@ -234,17 +234,23 @@ HANDSHAKES = {
 }
 
 
-def test_the_lane_port_refuses_strangers_then_opens_the_real_lane(caplog, monkeypatch):
-    caplog.set_level(logging.WARNING, "aiobrpc.training.lanes")
-    monkeypatch.setattr(L, "HANDSHAKE_TIMEOUT_S", 0.3)
+def _rank_1_opening(timeout: float):
+    """Lanes of ranks 0 and 1 of group "g"; rank 1 opening its (accepting its port) on a thread."""
     b = L.Lanes(1, 2, "127.0.0.1")
     b.group_id = "g"
     a = L.Lanes(0, 2, "127.0.0.1")
     a.group_id = "g"
     addresses = [a.address, b.address]
-    errs = []
-    t = threading.Thread(target=lambda: _catch(errs, b.open, addresses, 10.0))
+    errs: list = []
+    t = threading.Thread(target=lambda: _catch(errs, b.open, addresses, timeout))
     t.start()
+    return a, b, addresses, errs, t
+
+
+def test_the_lane_port_refuses_strangers_then_opens_the_real_lane(caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, "aiobrpc.training.lanes")
+    monkeypatch.setattr(L, "HANDSHAKE_TIMEOUT_S", 0.3)
+    a, b, addresses, errs, t = _rank_1_opening(10.0)
     answers = {}
     host, port = b.address.rsplit(":", 1)
     for name, data in HANDSHAKES.items():
@@ -278,14 +284,7 @@ def test_a_flood_of_strangers_on_the_lane_port_logs_a_bounded_number_of_lines(ca
     caplog.set_level(logging.WARNING, "aiobrpc.training.lanes")
     monkeypatch.setattr(L, "REFUSALS_LOGGED_PER_S", 3)
     monkeypatch.setattr(tcp, "_LOG_INTERVAL", 3600.0)  # one window for the whole test
-    b = L.Lanes(1, 2, "127.0.0.1")
-    b.group_id = "g"
-    a = L.Lanes(0, 2, "127.0.0.1")
-    a.group_id = "g"
-    addresses = [a.address, b.address]
-    errs = []
-    t = threading.Thread(target=lambda: _catch(errs, b.open, addresses, 30.0))
-    t.start()
+    a, b, addresses, errs, t = _rank_1_opening(30.0)
     host, port = b.address.rsplit(":", 1)
     for _ in range(30):
         with socket.create_connection((host, int(port)), timeout=5) as s:
