@@ -433,6 +433,9 @@ def _msg(kind: int, tag: int = 0, seq: int = 1, numel: int = 0, nbytes: int = 0,
             + L.frame_head(2, 1, len(data) - split, False) + data[split:])
 
 
+_REASON_1 = bytes([1, 1, 0, 0, 0, 1, 0, 0, 0]) + b"all_reduce #2 timed out on rank 1: rank 1 did not answer"
+
+
 def _f32(n: int, start: int = 0) -> bytes:
     return np.arange(start, start + n, dtype=np.float32).tobytes()
 
@@ -518,6 +521,12 @@ def seeds() -> dict[str, bytes]:
         "grants_past_max_messages": p(0) + b"".join(_msg(GRANT, t, 1, 1, 4, "float32") for t in range(5)),
         "send_eager_on_credit": p(4 | 16, 0, 0, 4) + _msg(CREDIT, nbytes=16),
         "send_after_timeout": p(4 | 32, 0, 0, 30) + _msg(GRANT, 0, 1, 30, 120, "float32"),
+        # BYE (kind 8): a closed group; a broken one, without and with its reason (timed out,
+        # ranks, text); a reason naming a rank past the world
+        "bye_closed_with_a_recv_waiting": p(1, 4) + _msg(8, 0, 0),
+        "bye_broke_without_a_reason": p(1 | 4, 4, 0, 4) + _msg(8, 0, 0, 1),
+        "bye_broke_with_its_reason": p(1 | 2 | 4, 4, 4, 4) + _msg(8, 0, 0, 1, len(_REASON_1), "", _REASON_1),
+        "bye_broke_reason_past_the_world": p(1, 4) + _msg(8, 0, 0, 1, 9, "", bytes([0, 1, 0, 0, 0, 5, 0, 0, 0])),
         "refuse_the_send": p(4, 0, 0, 30) + _msg(REFUSE, 0, 1, 31, 124, "float32"),
         "refuse_sent_already": p(0) + _msg(REFUSE, 0, 1, 31, 124, "float32"),
         "decline_granted": p(1, 30) + _msg(DECLINE, 0, 1, 31, 124, "float32"),

@@ -715,7 +715,7 @@ class Group:
         if self.p2p is not None:
             self.p2p.fail_all(err)
         if self.messages is not None:
-            self.messages.goodbye(broke=True)  # before the lanes shut: the peers take it for no death
+            self.messages.goodbye(broke=err)  # before the lanes shut: the peers take it for no death
             self.messages.fail_all(err)
         if self._lanes is not None:
             self._lanes.abort(err)
@@ -799,7 +799,9 @@ class Group:
         peer = err.ranks[0]
         end = self._loop.time() + CONTROL_TIMEOUT_S
         said_bye = isinstance(err, PeerClosed)
-        if isinstance(err, PeerBroke):  # alive a moment more, maybe: its reason beats "it broke"
+        if isinstance(err, PeerBroke) and err.reason is not None:  # it said why
+            err = err.reason
+        elif isinstance(err, PeerBroke):  # alive a moment more, maybe: its reason beats "it broke"
             answer = await self._status_of(peer)
             if not isinstance(answer, RpcError) and answer.error:
                 err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,

@@ -25,8 +25,9 @@ a NOTE: its kind, tag, number on the tag, elements, bytes and dtype name. The ki
 - DECLINE (no data; from the sender): the GRANT of message (tag, number) does not fit what it
   sends (in the note): the granted recv fails.
 - CREDIT (no data): `bytes` more of held messages may come.
-- BYE (no data): the sender leaves: it closes its group (elements 0) or its group broke
-  (elements 1). Its lane closing next is no death.
+- BYE: the sender leaves: it closes its group (elements 0, no data) or its group broke
+  (elements 1; data, up to MAX_REASON bytes: whether it timed out, the ranks it blamed and its
+  error's text, what its Status would answer). Its lane closing next is no death.
 
 Messages from one rank on one tag match their recvs in the order sent (the number), as with
 gloo. What a peer makes this rank keep is bounded: held bytes by the credit, held or announced
@@ -69,6 +70,8 @@ _NOTE = struct.Struct("<BBqQqQ")  # kind, dtype name's length, tag, number, elem
 NOTE = _NOTE.size + MAX_DTYPE_NAME  # 98 bytes, the name zero-padded
 _DISCARD = 1 << 16  # the chunk that bytes nobody takes are read into, then dropped
 _CREDIT_MAX = 1 << 62
+MAX_REASON = 2048  # the most bytes of a BYE's reason (the text is cut to fit)
+_REASON = struct.Struct("<BI")  # timed out, how many ranks (each a u32), then the text (UTF-8)
 _EMPTY = memoryview(b"")
 
 
@@ -94,12 +97,45 @@ def parse_note(raw: bytes) -> tuple[int, int, int, int, int, str]:
     return kind, tag, seq, numel, nbytes, name
 
 
+def pack_reason(err: CollectiveError, world_size: int) -> bytes:
+    """A broken group's error as a BYE's data (the ranks it names that are of the group)."""
+    ranks = tuple(r for r in err.ranks if isinstance(r, int) and 0 <= r < world_size)
+    head = _REASON.pack(isinstance(err, CollectiveTimeout), len(ranks)) + struct.pack(f"<{len(ranks)}I", *ranks)
+    room = MAX_REASON - len(head)
+    if room < 0:
+        return _REASON.pack(isinstance(err, CollectiveTimeout), 0)  # too many ranks to name: no reason
+    return head + str(err).encode()[:room].decode(errors="ignore").encode()
+
+
+def parse_reason(data: bytes, world_size: int) -> tuple[bool, tuple[int, ...], str]:
+    """(timed out, ranks, text) of a BYE's data; LaneError if malformed."""
+    if len(data) < _REASON.size:
+        raise LaneError(f"a BYE's reason of {len(data)} bytes")
+    timed_out, n = _REASON.unpack_from(data)
+    end = _REASON.size + 4 * n
+    if timed_out > 1 or n > world_size or len(data) < end:
+        raise LaneError(f"a BYE's reason naming {n} ranks in {len(data)} bytes")
+    ranks = struct.unpack_from(f"<{n}I", data, _REASON.size)
+    if any(r >= world_size for r in ranks):
+        raise LaneError(f"a BYE's reason naming ranks {list(ranks)} of a world of {world_size}")
+    try:
+        text = data[end:].decode()
+    except UnicodeDecodeError as e:
+        raise LaneError(f"a BYE's reason that is not UTF-8 ({e})") from None
+    return bool(timed_out), ranks, text
+
+
 class PeerClosed(CollectiveError):
     """The peer said BYE: it closed its group, or its group broke (`PeerBroke`)."""
 
 
 class PeerBroke(PeerClosed):
-    """The peer said BYE as its group broke: it is alive, and its Status may say why."""
+    """The peer said BYE as its group broke: it is alive a moment more. `reason`: its own error
+    as it told it (or None), which later sends and recvs with it raise."""
+
+    def __init__(self, message: str, ranks: tuple = (), reason: CollectiveError | None = None) -> None:
+        super().__init__(message, ranks)
+        self.reason = reason
 
 
 class _Recv:
@@ -157,7 +193,7 @@ class _Peer:
     """What this rank keeps about the message lane to one peer."""
 
     __slots__ = ("lane", "meta_size", "credit", "allowance", "held_bytes", "unmatched", "grants", "owed", "queued",
-                 "lost", "reader", "filling")
+                 "lost", "bye", "reader", "filling")
 
     def __init__(self, lane: Lane) -> None:
         self.lane = lane
@@ -173,6 +209,7 @@ class _Peer:
         self.owed = 0  # credit taken here and not yet given back
         self.queued = 0  # writes to it handed to the writing thread and not yet done
         self.lost: CollectiveError | None = None
+        self.bye: PeerClosed | None = None  # what it said as it left, if it said BYE
         self.reader: threading.Thread | None = None
         self.filling: _Recv | None = None  # the recv its reader is reading into
 
@@ -280,18 +317,22 @@ class LaneMessages:
         for f in futures:
             _settle(f, err)
 
-    def goodbye(self, broke: bool = False) -> None:
-        """This rank closes its group, or its group broke: tell every peer (BYE, once), so that
-        its lanes closing next are not taken for its death. A rank whose group broke on a
-        timeout exits at once, not telling (every rank finds a timeout itself): without the
-        BYE its idle peers, finding it gone, would break their groups blaming it."""
+    def goodbye(self, broke: CollectiveError | None = None) -> None:
+        """This rank closes its group, or its group broke with `broke`: tell every peer (BYE,
+        once, with the error if any), so that its lanes closing next are not taken for its
+        death, and what its peers still try with it fails with its reason. A rank whose group
+        broke on a timeout exits at once, not telling (every rank finds a timeout itself):
+        without the BYE its idle peers, finding it gone, would break their groups blaming it."""
         with self._lock:
             if self._said_bye or self._broken is not None:
                 return
             self._said_bye = True
+            reason = memoryview(pack_reason(broke, self.world_size)) if broke is not None else _EMPTY
             for peer in self._peers:
                 if peer is not None and peer.lost is None:
-                    self._note(peer, pack_note(BYE, 0, 0, int(broke)))
+                    bufs: list = []
+                    frames(bufs, peer.lane, pack_note(BYE, 0, 0, int(broke is not None), len(reason)), reason)
+                    self._write(peer, bufs, None, None)
 
     def join(self, timeout: float = 5.0) -> None:
         """Wait for the threads (after fail_all and the lanes' shutdown, they end at once)."""
@@ -554,11 +595,14 @@ class LaneMessages:
         kind, tag, seq, numel, nbytes, dtype = parse_note(raw[HEADER + m:])
         first = body - meta_size - NOTE
         if kind not in (EAGER, DATA):
-            if first or continues:
+            data = b""
+            if kind == BYE and numel and not continues and first == nbytes <= MAX_REASON:
+                data = _read(sock, first) if first else b""
+            elif first or continues:
                 raise LaneError(f"a {KIND_NAMES[kind]} note with data")
             settle: list = []
             with self._lock:
-                self._control(peer, kind, tag, seq, numel, nbytes, dtype, settle)
+                self._control(peer, kind, tag, seq, numel, nbytes, dtype, settle, data)
             if settle and settle[-1][0] is None:  # BYE
                 self._report(settle.pop()[1], False)
             _settle_all(settle)
@@ -673,16 +717,27 @@ class LaneMessages:
         self._unmatched.setdefault(tag, {})[(peer.lane.peer, held.seq)] = held
 
     def _control(self, peer: _Peer, kind: int, tag: int, seq: int, numel: int, nbytes: int, dtype: str,
-                 settle: list) -> None:
-        """(Under the lock.) A note without data."""
+                 settle: list, data: bytes = b"") -> None:
+        """(Under the lock.) A note without data (but a BYE's reason)."""
         src = peer.lane.peer
         if kind == CREDIT:
             peer.credit = min(_CREDIT_MAX, peer.credit + nbytes)
         elif kind == BYE:
+            if numel:
+                reason = None
+                if data:
+                    timed_out, ranks, text = parse_reason(data, self.world_size)
+                    reason = (CollectiveTimeout if timed_out else CollectiveError)(
+                        f"{text} (reported to rank {self.rank} by rank {src})", ranks)
+                bye: PeerClosed = PeerBroke(f"rank {src} ({self.addresses[src]}) left: its group broke", (src,),
+                                            reason)
+            else:
+                bye = PeerClosed(f"rank {src} ({self.addresses[src]}) closed its group", (src,))
             if peer.lost is None and self._broken is None:
-                peer.lost = (PeerBroke(f"rank {src} ({self.addresses[src]}) left: its group broke", (src,)) if numel
-                             else PeerClosed(f"rank {src} ({self.addresses[src]}) closed its group", (src,)))
-                settle.append((None, peer.lost))  # reported by the caller, once the lock is let go
+                peer.bye = bye
+                # Later sends and recvs with it raise its reason where it gave one.
+                peer.lost = bye.reason if isinstance(bye, PeerBroke) and bye.reason is not None else bye
+                settle.append((None, bye))  # reported by the caller, once the lock is let go
         elif kind == GRANT:
             s = self._pending.pop((src, tag, seq), None)
             if s is not None:
@@ -774,8 +829,7 @@ class LaneMessages:
     def left(self, rank: int) -> PeerClosed | None:
         """What `rank` said as it left (BYE), if it did."""
         with self._lock:
-            lost = self._peers[rank].lost
-        return lost if isinstance(lost, PeerClosed) else None
+            return self._peers[rank].bye
 
     def held_bytes(self) -> list[int]:
         return [0 if p is None else p.held_bytes for p in self._peers]

@@ -184,7 +184,17 @@ HOSTILE = {
     "a close frame": lambda r0: r0.ends[1].sendall(streaming.close_frame(1, 2) + bytes(2 * M.NOTE)),
     "more bytes than the note says": lambda r0: (r0.m.recv(np.zeros(2, np.uint8), 1, 0),
                                                   r0.write(1, M.EAGER, 0, 1, 2, 2, "uint8", bytes(3))),
+    "a BYE of a closed group with data": lambda r0: r0.write(1, M.BYE, 0, 0, 0, 4, "", bytes(4)),
+    "a BYE's reason past MAX_REASON": lambda r0: _bye(r0, bytes(M.MAX_REASON + 1)),
+    "a BYE's reason naming a rank past the world": lambda r0: _bye(r0, M._REASON.pack(0, 1) + (3).to_bytes(4, "little")),
+    "a BYE's reason naming more ranks than it holds": lambda r0: _bye(r0, M._REASON.pack(0, 2) + bytes(4)),
+    "a BYE's reason whose text is not UTF-8": lambda r0: _bye(r0, M._REASON.pack(1, 0) + b"\xff\xfe"),
+    "a BYE's reason too short": lambda r0: _bye(r0, b"\x01"),
 }
+
+
+def _bye(r0, reason: bytes) -> None:
+    r0.write(1, M.BYE, 0, 0, 1, len(reason), "", reason)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -509,11 +519,12 @@ async def test_a_peer_whose_group_broke_and_that_left_at_once_is_not_taken_for_d
     g0, g1, g2 = groups
     try:
         got = g0.recv(np.zeros(4, np.float32), 1)
-        g1._fail(CollectiveTimeout("rank 1 found rank 9 hung", (9,)), tell_peers=False)
+        g1._fail(CollectiveTimeout("rank 1 found rank 2 hung", (2,)), tell_peers=False)
         await g1.close()
         with pytest.raises(CollectiveError, match="rank 1") as info:
             await _wait(got, 10)
-        assert info.value.ranks in ((1,), (9,)), info.value  # "left: its group broke", or its reason
+        assert info.value.ranks == (2,) and isinstance(info.value, CollectiveTimeout), info.value  # its reason
+        assert "rank 1 found rank 2 hung (reported to rank 0 by rank 1)" in str(info.value)
         await asyncio.sleep(0.3)  # what the lane's loss set off has run
         assert g0.broken is None and g2.broken is None
         await _still_talk(g2, g0)
@@ -525,6 +536,34 @@ def test_a_bye_says_closed_or_broke_and_nothing_else():
     assert M.parse_note(M.pack_note(M.BYE, 0, 0, 1))[3] == 1
     with pytest.raises(M.LaneError, match="BYE note of 2 elements"):
         M.parse_note(M.pack_note(M.BYE, 0, 0, 2))
+
+
+def test_a_bye_carries_the_broken_groups_reason_whole_or_cut_to_fit():
+    err = CollectiveTimeout("all_reduce #3 timed out on rank 2: rank 1 did not answer", (1,))
+    assert M.parse_reason(M.pack_reason(err, 3), 3) == (True, (1,), str(err))
+    long = CollectiveError("é" * 5000, (0, 2, 7))  # a rank not of the group is left out
+    timed_out, ranks, text = M.parse_reason(M.pack_reason(long, 3), 3)
+    assert (timed_out, ranks) == (False, (0, 2)) and len(M.pack_reason(long, 3)) <= M.MAX_REASON
+    assert text and set(text) == {"é"}  # cut on a character, not inside one
+
+
+def test_a_peer_that_says_its_group_broke_makes_what_is_tried_with_it_raise_its_reason():
+    """Its reason is in its BYE: a send or recv tried with it afterwards names the culprit it
+    found, not the peer (which its Abort, still on its way, would say too late)."""
+    r0 = _Rank0()
+    try:
+        waiting = r0.m.recv(np.zeros(2, np.uint8), 1, 0)
+        _bye(r0, M.pack_reason(CollectiveError("rank 1 found rank 2 dead", (2,)), 3))
+        wait_until_sync(lambda: r0.reports)
+        bye, fatal = r0.reports[0]
+        assert not fatal and isinstance(bye, M.PeerBroke) and bye.ranks == (1,)
+        assert bye.reason.ranks == (2,) and r0.m.left(1) is bye
+        with pytest.raises(CollectiveError, match=r"rank 1 found rank 2 dead \(reported to rank 0 by rank 1\)") as info:
+            r0.m.send(np.zeros(1), 1, 0)
+        assert info.value.ranks == (2,)
+        assert not waiting.done()  # what waits fails once the group has heard it (fail_peer)
+    finally:
+        r0.close()
 
 
 async def test_a_recv_with_no_send_times_out_without_breaking_the_group(tmp_path):
