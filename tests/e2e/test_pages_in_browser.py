@@ -24,14 +24,17 @@ SHOTS = os.path.join(os.environ.get("AIOBRPC_ARTIFACTS", os.path.join(ROOT, "bui
 
 
 async def _load(srv, stop: asyncio.Event, done: list) -> None:
-    async with aiobrpc.Channel(srv.address, aiobrpc.ChannelOptions(max_retry=0)) as ch:
+    # A deadline no busy machine reaches (the browser and a CPU hog beside the loop made the
+    # default one fail a few calls once): what is tested is that the pages do not break calls.
+    async with aiobrpc.Channel(srv.address, aiobrpc.ChannelOptions(max_retry=0, timeout_ms=120_000)) as ch:
         stub = aiobrpc.Stub(ch, SERVICE)
         while not stop.is_set():
             try:
                 await stub.Echo(interop_pb2.EchoRequest(message="m", sleep_ms=1))
                 done[0] += 1
-            except aiobrpc.RpcError:
+            except aiobrpc.RpcError as e:
                 done[1] += 1
+                done.append(f"[E{e.code}] {e.text}")
 
 
 def test_the_control_page_shows_the_browser_sees_console_errors():
@@ -59,7 +62,7 @@ async def test_every_page_loads_clean_in_a_browser_under_load():
         await asyncio.gather(*callers)
         await srv.stop()
         await srv.join(timeout=5)
-    assert done[1] == 0
+    assert done[1] == 0, done[2:]
     for path, page in pages.items():
         assert page.status == 200, (path, page.status, page.text[:200])
         assert page.errors == [], (path, page.errors)
