@@ -596,7 +596,10 @@ class LaneMessages:
         first = body - meta_size - NOTE
         if kind not in (EAGER, DATA):
             data = b""
-            if kind == BYE and numel and not continues and first == nbytes <= MAX_REASON:
+            if kind == BYE and numel:  # a broken group's: its reason, if any, is the frame's data
+                if continues or first != nbytes or first > MAX_REASON:
+                    raise LaneError(f"a BYE whose reason is {first} bytes in its frame and {nbytes} in its note "
+                                    f"(at most {MAX_REASON}, in one frame)")
                 data = _read(sock, first) if first else b""
             elif first or continues:
                 raise LaneError(f"a {KIND_NAMES[kind]} note with data")

@@ -190,6 +190,7 @@ HOSTILE = {
     "a BYE's reason naming more ranks than it holds": lambda r0: _bye(r0, M._REASON.pack(0, 2) + bytes(4)),
     "a BYE's reason whose text is not UTF-8": lambda r0: _bye(r0, M._REASON.pack(1, 0) + b"\xff\xfe"),
     "a BYE's reason too short": lambda r0: _bye(r0, b"\x01"),
+    "a BYE whose note says more reason than it carries": lambda r0: r0.write(1, M.BYE, 0, 0, 1, 5, ""),
 }
 
 
