@@ -470,6 +470,11 @@ class Group:
                                            max(0.0, wait) + _probe_time(self.timeout) + 1.0)
         return self._broken is not None
 
+    def _reported(self, answer: Any, peer: int) -> CollectiveError:
+        """The error a peer's Status answer reports, of the type it had there."""
+        return _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,
+                      answer.timed_out)
+
     async def _why_lost(self, lost: LaneLost) -> CollectiveError:
         """A lane closed by its peer: the peer died, or its group broke and it shut its lanes
         (before its Abort, if any, reached this rank). Its Status tells which; no answer near
@@ -482,8 +487,7 @@ class Group:
                     return self._broken
                 return CollectiveError(str(lost), lost.ranks)
             if answer.error:
-                return _error(f"{answer.error} (reported to rank {self.rank} by rank {lost.peer})",
-                              answer.ranks, answer.timed_out)
+                return self._reported(answer, lost.peer)
             if self._loop.time() > end:
                 return CollectiveError(f"{lost} (rank {lost.peer} still answers: it closed the lane "
                                        "and did not say why)", (lost.peer,))
@@ -804,8 +808,7 @@ class Group:
         elif isinstance(err, PeerBroke):  # alive a moment more, maybe: its reason beats "it broke"
             answer = await self._status_of(peer)
             if not isinstance(answer, RpcError) and answer.error:
-                err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,
-                             answer.timed_out)
+                err = self._reported(answer, peer)
         # A peer shuts a lane a moment before its group is marked broken: one that answers
         # without an error is asked again, for a little while. One that said BYE closed.
         while self._broken is None and not self._closed and not said_bye:
@@ -815,8 +818,7 @@ class Group:
                     self._fail(err)
                 break
             if answer.error:
-                err = _error(f"{answer.error} (reported to rank {self.rank} by rank {peer})", answer.ranks,
-                             answer.timed_out)
+                err = self._reported(answer, peer)
                 break
             if self._loop.time() > end:
                 break

@@ -330,9 +330,7 @@ class LaneMessages:
             reason = memoryview(pack_reason(broke, self.world_size)) if broke is not None else _EMPTY
             for peer in self._peers:
                 if peer is not None and peer.lost is None:
-                    bufs: list = []
-                    frames(bufs, peer.lane, pack_note(BYE, 0, 0, int(broke is not None), len(reason)), reason)
-                    self._write(peer, bufs, None, None)
+                    self._note(peer, pack_note(BYE, 0, 0, int(broke is not None), len(reason)), reason)
 
     def join(self, timeout: float = 5.0) -> None:
         """Wait for the threads (after fail_all and the lanes' shutdown, they end at once)."""
@@ -512,10 +510,10 @@ class LaneMessages:
         return recvs
 
     # -- writing -------------------------------------------------------------------------------
-    def _note(self, peer: _Peer, note: bytes) -> None:
-        """(Under the lock.) Write a note without data: one frame."""
+    def _note(self, peer: _Peer, note: bytes, data: memoryview = _EMPTY) -> None:
+        """(Under the lock.) Write a note (and a BYE's reason): one frame."""
         bufs: list = []
-        frames(bufs, peer.lane, note, _EMPTY)
+        frames(bufs, peer.lane, note, data)
         self._write(peer, bufs, None, None)
 
     def _write(self, peer: _Peer, bufs: list, future: concurrent.futures.Future | None, settle: list | None) -> None:
