@@ -15,7 +15,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HARNESSES = ("baidu_server", "http_server", "h2_server", "stream", "baidu_client", "grpc_client",
-             "compress", "json_transcode", "naming", "codec", "collective", "lanes", "lane_messages")
+             "compress", "json_transcode", "naming", "codec", "collective", "lanes", "lane_messages",
+             "tensor_meta")
 
 
 def test_every_harness_has_a_corpus():

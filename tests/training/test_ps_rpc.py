@@ -13,7 +13,7 @@ import pytest
 
 import aiobrpc
 from aiobrpc.training.ps import SGD, Adam, ParameterServer, PsWorker, ServerRestarted, Sum, shard_of
-from aiobrpc.training.ps.server import BACKGROUND_BYTES
+from aiobrpc.training.ps import server as ps_server
 from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
 from tests.training.ps_helpers import INITIAL, TRUE_B, TRUE_W, regression_data, regression_step, running_ps
 
@@ -91,9 +91,12 @@ class SlowSum(Sum):
         super().apply(value, grad, state, rows)
 
 
+@pytest.mark.parametrize("where", ["thread", "after-reply"])
 @pytest.mark.parametrize("mode", ["sync", "async", "bounded"])
-async def test_large_pushes_apply_on_a_thread_once_each_and_before_any_later_pull(mode):
-    big = BACKGROUND_BYTES // 4  # float32s: every push of it is applied on the server's thread
+async def test_large_pushes_apply_later_once_each_and_before_any_later_pull(mode, where, monkeypatch):
+    if where == "thread":  # every push of `big` is applied on the server's thread
+        monkeypatch.setattr(ps_server, "BACKGROUND_BYTES", ps_server.AFTER_REPLY_BYTES)
+    big = ps_server.AFTER_REPLY_BYTES // 4  # float32s: answered before their step is taken
     async with running_ps(1, num_workers=2, mode=mode, optimizer=SlowSum()) as ps:
         address = [ps[0][0].address]
 
@@ -116,8 +119,32 @@ async def test_large_pushes_apply_on_a_thread_once_each_and_before_any_later_pul
         async with PsWorker(address, 0) as w:
             w.step = 6
             final = await w.pull(["big", "small"])
+        assert (ps[0][1]._executor is not None) == (where == "thread")
     want = 9 if mode == "sync" else 18  # sync averages the two workers' pushes
     assert np.all(final["big"] == want) and final["small"].tolist() == [want] * 2
+
+
+class FailingSGD(SGD):
+    def apply(self, value, grad, state, rows=None):
+        if grad.nbytes >= ps_server.AFTER_REPLY_BYTES:
+            raise MemoryError("no room for the step")
+        super().apply(value, grad, state, rows)
+
+
+@pytest.mark.parametrize("where", ["thread", "after-reply"])
+async def test_a_step_that_fails_after_its_reply_fails_every_later_pull(where, monkeypatch, caplog):
+    if where == "thread":
+        monkeypatch.setattr(ps_server, "BACKGROUND_BYTES", ps_server.AFTER_REPLY_BYTES)
+    big = ps_server.AFTER_REPLY_BYTES // 4
+    async with running_ps(1, num_workers=1, optimizer=FailingSGD()) as ps:
+        async with PsWorker([ps[0][0].address], 0, timeout_s=10) as w:
+            await w.init({"big": np.zeros(big, f32)})
+            await w.push({"big": np.ones(big, f32)})  # answered: its step fails later
+            for _ in range(2):
+                with pytest.raises(aiobrpc.RpcError) as e:
+                    await w.pull()
+                assert e.value.code == aiobrpc.errors.EINTERNAL and "lost an update" in str(e.value)
+    assert "a push's update failed; pulls fail from now on" in caplog.text
 
 
 @pytest.mark.parametrize("call, code, message", [

@@ -157,3 +157,35 @@ async def test_many_tensors_in_one_real_call_both_ways(checksum):
             got = tensor.get_response_tensors(cntl, meta)  # the echo server sends the attachment back
     for (name, a), g in zip(arrays.items(), got):
         assert g.dtype == a.dtype and g.shape == a.shape and g.tobytes() == a.tobytes(), name
+
+
+def test_the_metas_kept_for_repeated_calls_are_those_built_and_their_tables_are_bounded(monkeypatch):
+    monkeypatch.setattr(tensor, "_PACKED", tensor._Kept(4))
+    monkeypatch.setattr(tensor, "_PLANS", tensor._Kept(4))
+    step = {"w": sample("float32", (2, 3)), "b": sample("int64", (4,)), "s": np.float64(2.5)}
+    built, _ = tensor._pack_fields(list(step.items()), True, False)
+    for _ in range(3):  # the first builds and keeps the meta, the next ones parse what was kept
+        meta, buffers = tensor.pack(step)
+        assert meta == built
+        meta.tensors[0].offset += 100  # a caller's change to its meta stays its own
+        att = joined(buffers)
+        for views in (tensor.unpack(built, att), list(tensor.unpack_named(built, att).values())):
+            assert [v.tobytes() for v in views] == [np.asarray(a).tobytes() for a in step.values()]
+            assert [v.shape for v in views] == [np.shape(a) for a in step.values()]
+    assert tensor.pack({"w": sample("float32", (3, 2))})[0].tensors[0].shape == [3, 2]
+    # a kept layout still refuses an attachment it does not fit, naming why
+    with pytest.raises(ValueError, match=r"tensor 'w': bytes 0..24 lie outside the 23-byte attachment"):
+        tensor.unpack(built, att[:23])
+    for n in range(40):  # a peer sending a new meta every call fills nothing past the cap
+        meta, buffers = tensor.pack({f"k{n}": np.zeros(n, np.float32)})
+        assert tensor.unpack(meta, joined(buffers))[0].shape == (n,)
+    assert len(tensor._PACKED.table) <= 4 and len(tensor._PLANS.table) <= 4
+
+
+def test_a_meta_too_large_to_keep_is_read_each_time():
+    arrays = [np.full(1, i, np.int16) for i in range(3000)]
+    meta, buffers = tensor.pack(arrays)
+    assert meta.ByteSize() > tensor.MAX_KEPT_META
+    before = dict(tensor._PLANS.table)
+    assert [int(v[0]) for v in tensor.unpack(meta, joined(buffers))] == list(range(3000))
+    assert tensor._PLANS.table.keys() == before.keys()

@@ -5,9 +5,11 @@ applies gradients (or gathers them for a sync step), `Pull` answers with weights
 mode's clock allows (a pull that cannot be answered within `max_wait_s`, or the time its
 caller has left, fails with ERPCTIMEDOUT naming the workers it waited for).
 
-A push of BACKGROUND_BYTES or more is answered once checked and counted; its optimizer step
-runs on one thread, in order with the other updates, and a pull reads after every update
-answered before it.
+A push of AFTER_REPLY_BYTES or more is answered once checked and counted, and its optimizer
+step taken after the reply is written: on the loop, one iteration later (a step of a few
+hundred microseconds costs less there than the two thread switches of a hand-over), or, from
+BACKGROUND_BYTES, on one thread, while the loop receives the next call. Updates keep their
+order, and a pull reads after every update answered before it.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ __all__ = ["ParameterServer"]
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
 # A push of at least this many gradient bytes is answered once checked, and its optimizer step
 # runs on a thread (numpy lets go of the GIL) while the loop receives the next call.
-BACKGROUND_BYTES = 256 * 1024
+BACKGROUND_BYTES = 32 << 20
 MAX_BACKGROUND = 2  # pushes applied or queued on the thread at once; one more waits for room
+# A push of at least this many gradient bytes (and less than BACKGROUND_BYTES) is answered
+# first; its step runs on the loop once the reply is out, before any later call's.
+AFTER_REPLY_BYTES = 256 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +49,10 @@ def _named(meta: tensor.TensorMeta, attachment: Any, what: str) -> dict[str, np.
     if not meta.tensors:
         return {}
     try:
-        views = tensor.unpack(meta, attachment)
+        named = tensor.unpack_named(meta, attachment)
     except (ValueError, TypeError) as e:
         raise RpcError(EREQUEST, f"{what}: {e}") from None
-    named = {info.name: v for info, v in zip(meta.tensors, views)}
-    if len(named) != len(views):
+    if len(named) != len(meta.tensors):
         names = [info.name for info in meta.tensors]
         twice = next(n for n in names if names.count(n) > 1)
         raise RpcError(EREQUEST, f"{what}: key {twice!r} is given twice")
@@ -101,6 +105,7 @@ class ParameterServer(Servicer):
         self._stopping = False
         self._executor: ThreadPoolExecutor | None = None
         self._background: deque[asyncio.Future] = deque()  # in the order run (one thread)
+        self._after_reply: deque = deque()  # steps to take on the loop, in order, before any later call's
         self._failed: BaseException | None = None
         if initial:
             self.store.init({k: np.asarray(v) for k, v in initial.items()})
@@ -114,6 +119,7 @@ class ParameterServer(Servicer):
         return generation != 0 and generation != self.generation
 
     async def Init(self, request, cntl):
+        self._take_after_reply()
         if self._stale(request.generation):
             return ps_pb2.InitResponse(generation=self.generation)
         values = _named(request.values, cntl.request_attachment, "init values")
@@ -121,21 +127,47 @@ class ParameterServer(Servicer):
         return ps_pb2.InitResponse(generation=self.generation, created=created)
 
     async def Push(self, request, cntl):
+        self._take_after_reply()
         if self._stale(request.generation):
             return ps_pb2.PushResponse(generation=self.generation)
         grads = _named(request.grads, cntl.request_attachment, "push gradients")
         ids = _named(request.row_ids, cntl.request_attachment, "push row ids")
         background = self._background
-        if background or sum(g.nbytes for g in grads.values()) >= BACKGROUND_BYTES:
+        nbytes = sum(g.nbytes for g in grads.values())
+        if background or nbytes >= BACKGROUND_BYTES:
             while len(background) >= MAX_BACKGROUND:
                 await asyncio.wait([background[0]])
+            # Steps wait after a reply only while the thread is idle: taken here, before the
+            # thread gets one, no two steps ever run at once.
+            self._take_after_reply()
             # Behind an update still running, a small push goes to the thread too: in order.
             job = self.store.push(request.worker, request.step, grads, ids, later=True)
             if job is not None:
                 self._run_in_background(job)
+        elif nbytes >= AFTER_REPLY_BYTES:
+            job = self.store.push(request.worker, request.step, grads, ids, later=True)
+            if job is not None:
+                self._after_reply.append(job)
+                if len(self._after_reply) == 1:
+                    # Two hops: the reply's write is queued for the end of this iteration.
+                    loop = asyncio.get_running_loop()
+                    loop.call_soon(loop.call_soon, self._take_after_reply)
         else:
             self.store.push(request.worker, request.step, grads, ids)
         return ps_pb2.PushResponse(generation=self.generation)
+
+    def _take_after_reply(self) -> None:
+        """Take the steps of the pushes answered before now (at the latest one iteration after
+        their reply; at once when another call comes first)."""
+        steps = self._after_reply
+        while steps:
+            job = steps.popleft()
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 (as on the thread: the key's state is unknown)
+                if self._failed is None:
+                    self._failed = e
+                    log.error("a push's update failed; pulls fail from now on", exc_info=e)
 
     def _run_in_background(self, fn, *args, update: bool = True) -> asyncio.Future:
         if self._executor is None:
@@ -152,6 +184,7 @@ class ParameterServer(Servicer):
             log.error("a push's update failed; pulls fail from now on", exc_info=self._failed)
 
     async def Pull(self, request, cntl):
+        self._take_after_reply()
         if self._stale(request.generation):
             return ps_pb2.PullResponse(generation=self.generation)
         keys = list(request.keys)
@@ -159,6 +192,7 @@ class ParameterServer(Servicer):
         store = self.store
         store.check_pull(request.worker, request.step, keys, ids)
         await self._wait([*keys, *ids], request.step, cntl)
+        self._take_after_reply()
         if self._background:
             # On the update thread, after the updates answered before: one thread, in order.
             values = await asyncio.shield(self._run_in_background(store.read, keys, ids, update=False))
