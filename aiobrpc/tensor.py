@@ -163,6 +163,8 @@ def pack(tensors: Sequence[Any] | Mapping[str, Any], *, copy: bool = False) -> t
     items = list(items)
     key: list = []
     buffers: list[memoryview] = []
+    if len(items) > KEPT_TENSORS:
+        return _pack_fields(items, named, copy)
     for name, x in items:
         if type(x) is not np.ndarray or not x.flags.c_contiguous or (code := _NUMPY_CODES.get(x.dtype)) is None \
                 or (named and type(name) is not str):
@@ -174,7 +176,9 @@ def pack(tensors: Sequence[Any] | Mapping[str, Any], *, copy: bool = False) -> t
     if known is not None:
         return TensorMeta.FromString(known), buffers
     meta, buffers = _pack_fields(items, named, copy)
-    _PACKED.put(key, meta.SerializeToString())
+    blob = meta.SerializeToString()
+    if len(blob) <= MAX_KEPT_META:
+        _PACKED.put(key, blob)
     return meta, buffers
 
 
@@ -223,9 +227,13 @@ class _Kept:
         self.table[key] = value
 
 
-KEPT_METAS = 256  # metas (sets of names, dtypes and shapes) kept by pack and by unpack each
-MAX_KEPT_META = 16 << 10  # bytes of one serialized meta, past which unpack keeps nothing of it
-_PACKED = _Kept(KEPT_METAS)  # (name, DataType, shape) per tensor -> the serialized meta
+# What pack and unpack keep, each: at most KEPT_METAS metas (sets of names, dtypes and shapes),
+# each of at most KEPT_TENSORS tensors and MAX_KEPT_META serialized bytes (the table stays
+# under a few MiB whatever a peer sends; a training step's few metas fit many times over).
+KEPT_METAS = 64
+KEPT_TENSORS = 256
+MAX_KEPT_META = 16 << 10
+_PACKED = _Kept(KEPT_METAS)  # ((name, DataType, shape) per tensor) -> the serialized meta
 _PLANS = _Kept(KEPT_METAS)  # serialized meta -> (end, ((name, DataType, shape, offset, count), ...))
 
 
@@ -331,6 +339,8 @@ def _plan(meta: TensorMeta, size: int) -> tuple | None:
     """Where each tensor of `meta` lies ((name, numpy dtype, shape, offset, count) each), kept
     per serialized meta; None where the general path must look (a meta that does not fit
     `size`, is wrong, holds bfloat16 or is too large to keep): it says what is wrong."""
+    if len(meta.tensors) > KEPT_TENSORS:
+        return None
     blob = meta.SerializeToString()
     kept = _PLANS.get(blob)
     if kept is None:

@@ -182,10 +182,14 @@ def test_the_metas_kept_for_repeated_calls_are_those_built_and_their_tables_are_
     assert len(tensor._PACKED.table) <= 4 and len(tensor._PLANS.table) <= 4
 
 
-def test_a_meta_too_large_to_keep_is_read_each_time():
-    arrays = [np.full(1, i, np.int16) for i in range(3000)]
-    meta, buffers = tensor.pack(arrays)
-    assert meta.ByteSize() > tensor.MAX_KEPT_META
-    before = dict(tensor._PLANS.table)
-    assert [int(v[0]) for v in tensor.unpack(meta, joined(buffers))] == list(range(3000))
-    assert tensor._PLANS.table.keys() == before.keys()
+@pytest.mark.parametrize("many, long_name", [(tensor.KEPT_TENSORS + 1, False), (2, True)])
+def test_a_meta_too_large_to_keep_is_read_each_time(many, long_name):
+    name = "n" * tensor.MAX_KEPT_META if long_name else "x"
+    arrays = {f"{name}{i}": np.full(1, i, np.int16) for i in range(many)}
+    before_packed, before_plans = dict(tensor._PACKED.table), dict(tensor._PLANS.table)
+    for _ in range(2):
+        meta, buffers = tensor.pack(arrays)
+        assert [int(v[0]) for v in tensor.unpack(meta, joined(buffers))] == list(range(many))
+        assert list(tensor.unpack_named(meta, joined(buffers))) == list(arrays)
+    assert tensor._PACKED.table.keys() == before_packed.keys()
+    assert tensor._PLANS.table.keys() == before_plans.keys()
