@@ -124,6 +124,19 @@ async def test_large_pushes_apply_later_once_each_and_before_any_later_pull(mode
     assert np.all(final["big"] == want) and final["small"].tolist() == [want] * 2
 
 
+@pytest.mark.parametrize("optimizer, thread", [(SGD(), False), (Sum(), False), (Adam(), True)],
+                         ids=["sgd", "sum", "adam"])
+async def test_a_costly_rule_takes_its_step_on_the_thread_a_cheap_one_on_the_loop(optimizer, thread):
+    n = (1 << 20) // 4  # 1 MiB of float32: past AFTER_REPLY_BYTES; Adam's step there is tens of ms
+    async with running_ps(1, num_workers=1, optimizer=optimizer) as ps:
+        async with PsWorker([ps[0][0].address], 0, timeout_s=10) as w:
+            await w.init({"w": np.zeros(n, f32)})
+            await w.push({"w": np.ones(n, f32)})
+            got = (await w.pull())["w"]
+        assert (ps[0][1]._executor is not None) == thread
+    assert got[0] != 0 and np.all(got == got[0])  # the step was taken, on every element
+
+
 class FailingSGD(SGD):
     def apply(self, value, grad, state, rows=None):
         if grad.nbytes >= ps_server.AFTER_REPLY_BYTES:

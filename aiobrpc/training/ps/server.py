@@ -7,9 +7,10 @@ caller has left, fails with ERPCTIMEDOUT naming the workers it waited for).
 
 A push of AFTER_REPLY_BYTES or more is answered once checked and counted, and its optimizer
 step taken after the reply is written: on the loop, one iteration later (a step of a few
-hundred microseconds costs less there than the two thread switches of a hand-over), or, from
-BACKGROUND_BYTES, on one thread, while the loop receives the next call. Updates keep their
-order, and a pull reads after every update answered before it.
+milliseconds at most costs less there than the two thread switches of a hand-over), or, when
+its bytes times the rule's `step_cost` reach BACKGROUND_BYTES (32 MiB of SGD, 330 KiB of
+Adam), on one thread, while the loop receives the next call. Updates keep their order, and a
+pull reads after every update answered before it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from .store import KeyStore
 __all__ = ["ParameterServer"]
 
 SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
-# A push of at least this many gradient bytes is answered once checked, and its optimizer step
-# runs on a thread (numpy lets go of the GIL) while the loop receives the next call.
+# A push whose gradient bytes times its rule's step_cost reach this is answered once checked,
+# and its optimizer step runs on a thread (the kernels let go of the GIL) while the loop
+# receives the next call.
 BACKGROUND_BYTES = 32 << 20
 MAX_BACKGROUND = 2  # pushes applied or queued on the thread at once; one more waits for room
 # A push of at least this many gradient bytes (and less than BACKGROUND_BYTES) is answered
@@ -134,7 +136,7 @@ class ParameterServer(Servicer):
         ids = _named(request.row_ids, cntl.request_attachment, "push row ids")
         background = self._background
         nbytes = sum(g.nbytes for g in grads.values())
-        if background or nbytes >= BACKGROUND_BYTES:
+        if background or nbytes * self.store.optimizer.step_cost >= BACKGROUND_BYTES:
             while len(background) >= MAX_BACKGROUND:
                 await asyncio.wait([background[0]])
             # Steps wait after a reply only while the thread is idle: taken here, before the
