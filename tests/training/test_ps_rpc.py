@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import aiobrpc
+from aiobrpc import tensor
+from aiobrpc._proto import ps_pb2
 from aiobrpc.training.ps import SGD, Adam, ParameterServer, PsWorker, ServerRestarted, Sum, shard_of
 from aiobrpc.training.ps import server as ps_server
 from tests.helpers.loop_errors import loop_errors  # noqa: F401  (autouse fixture)
@@ -272,3 +274,18 @@ async def test_a_restart_is_reported_and_the_worker_resumes_from_its_last_pull()
             await second.join(timeout=2)
     finally:
         await w.close()
+
+
+async def test_a_push_naming_a_key_twice_is_refused_each_time():
+    async with running_ps(1, num_workers=1) as ps:
+        async with PsWorker([ps[0][0].address], 0, timeout_s=10) as w:
+            await w.init({"w": np.zeros(2, f32)})
+            for step in range(2):  # the second time through the layout kept for the meta
+                meta, buffers = tensor.pack([np.ones(2, f32), np.ones(2, f32)])
+                meta.tensors[0].name = meta.tensors[1].name = "w"
+                cntl = aiobrpc.Controller(request_attachment=buffers)
+                request = ps_pb2.PushRequest(worker=0, step=step, grads=meta)
+                with pytest.raises(aiobrpc.RpcError) as e:
+                    await w._stubs[0].Push(request, cntl)
+                assert e.value.code == aiobrpc.errors.EREQUEST and "key 'w' is given twice" in str(e.value)
+            assert (await w.pull())["w"].tolist() == [0, 0]  # nothing of it applied
