@@ -73,6 +73,9 @@ _CREDIT_MAX = 1 << 62
 MAX_REASON = 2048  # the most bytes of a BYE's reason (the text is cut to fit)
 _REASON = struct.Struct("<BI")  # timed out, how many ranks (each a u32), then the text (UTF-8)
 _EMPTY = memoryview(b"")
+_LATER = object()  # (to _write) make the send's future only if the write cannot be done at once
+_WRITTEN: concurrent.futures.Future = concurrent.futures.Future()  # every send written at once
+_WRITTEN.set_result(None)
 
 
 def pack_note(kind: int, tag: int, seq: int, numel: int = 0, nbytes: int = 0, dtype: str = "") -> bytes:
@@ -345,7 +348,6 @@ class LaneMessages:
         be reused), or failed if the recv does not fit it."""
         dtype, numel, _, buf = byte_view(tensor, "send tensor")
         data = memoryview(buf).cast("B") if buf.nbytes else memoryview(b"")
-        future: concurrent.futures.Future = concurrent.futures.Future()
         settle: list = []
         with self._lock:
             peer = self._usable(dst)
@@ -354,13 +356,15 @@ class LaneMessages:
             grant = self._grants.pop((dst, tag, seq), None)
             if grant is not None:
                 peer.grants -= 1
+                future = concurrent.futures.Future()
                 self._granted(peer, _Send(dst, tag, seq, dtype, numel, data, future, 0.0), grant, settle)
             elif len(data) <= self.eager_bytes and peer.credit >= len(data):
                 peer.credit -= len(data)
                 bufs: list = []
                 frames(bufs, peer.lane, pack_note(EAGER, tag, seq, numel, len(data), dtype), data)
-                self._write(peer, bufs, future, settle)
+                future = self._write(peer, bufs, _LATER, settle)
             else:
+                future = concurrent.futures.Future()
                 self._pending[(dst, tag, seq)] = _Send(dst, tag, seq, dtype, numel, data, future,
                                                        time.monotonic() + self.timeout)
                 self._note(peer, pack_note(ANNOUNCE, tag, seq, numel, len(data), dtype))
@@ -516,28 +520,37 @@ class LaneMessages:
         frames(bufs, peer.lane, note, data)
         self._write(peer, bufs, None, None)
 
-    def _write(self, peer: _Peer, bufs: list, future: concurrent.futures.Future | None, settle: list | None) -> None:
+    def _write(self, peer: _Peer, bufs: list, future: Any, settle: list | None) -> Any:
         """(Under the lock.) Write `bufs` to the peer's lane after what was written before:
         here what the socket takes at once when nothing waits for the writing thread and it is
         small, the rest by the writing thread. `future` is done once all is written: when that
         is here, it goes to `settle`, settled by the caller once it lets go of the lock (a
-        future's callbacks may call back in)."""
+        future's callbacks may call back in). A send passes `_LATER`: its future is made only
+        where the write waits or fails, and returned; written here, it is `_WRITTEN`, done
+        already (no future made, settled and waited on for each small message)."""
         if peer.lost is not None:
+            if future is _LATER:
+                future = concurrent.futures.Future()
             if future is not None:
                 settle.append((future, peer.lost))
-            return
+            return future
         if not peer.queued and sum(len(b) for b in bufs) <= INLINE_BYTES:
             try:
                 bufs = _write_now(peer.lane.sock, bufs)
             except OSError:  # the writing thread meets it again and says what it means
                 pass
             if not bufs:
+                if future is _LATER:
+                    return _WRITTEN
                 if future is not None:
                     settle.append((future, None))
-                return
+                return future
+        if future is _LATER:
+            future = concurrent.futures.Future()
         peer.queued += 1
         self._writes.append((peer, bufs, future))
         self._wake.notify()
+        return future
 
     def _write_loop(self) -> None:
         while True:

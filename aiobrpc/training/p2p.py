@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,7 +61,7 @@ def byte_view(tensor: Any, what: str = "tensor") -> tuple[str, int, tuple[int, .
     torch = _torch()
     if torch is None or not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a numpy array or a torch CPU tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:  # (a bool; tensor.device makes an object each time)
         raise ValueError(f"{what} is on {tensor.device}; only CPU tensors can be sent")
     if not tensor.is_contiguous():
         raise ValueError(f"{what} is not contiguous (strides {tuple(tensor.stride())})")
@@ -70,8 +71,8 @@ def byte_view(tensor: Any, what: str = "tensor") -> tuple[str, int, tuple[int, .
         if len(_TORCH_NAMES) < _MAX_DTYPE_NAMES:
             _TORCH_NAMES[tensor.dtype] = name
     if name in _NUMPY_TOO:  # numpy's own views: a few microseconds less than torch's
-        array = tensor.detach().numpy()
-        return name, array.size, array.shape, array.reshape(-1).view(np.uint8)
+        array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
+        return name, array.size, array.shape, (array if array.ndim == 1 else array.reshape(-1)).view(np.uint8)
     flat = tensor.detach().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
     return name, tensor.numel(), tuple(tensor.shape), raw.numpy()
@@ -97,7 +98,6 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 
 def _torch():
-    import sys
     return sys.modules.get("torch")
 
 

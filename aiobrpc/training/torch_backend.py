@@ -129,6 +129,7 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, world_size: int, timeout: Any = 300.0, group_name: str = "",
                  **options: Any) -> None:
         super().__init__(rank, world_size)
+        self._rank, self._size = rank, world_size  # torch's rank() and size() cost a binding call each
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
         self._group_name = group_name
@@ -314,7 +315,7 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
         return work
 
     def _check_peer(self, rank: int, name: str) -> None:
-        if rank == self.rank():
+        if rank == self._rank:
             raise ValueError(f"{name} must be another rank of the group, not this one ({rank})")
 
     # -- collectives made of messages ----------------------------------------------------------
@@ -400,8 +401,8 @@ class AiobrpcProcessGroup(dist.ProcessGroup):
         return AiobrpcWork(combined, result)
 
     def _check_rank(self, rank: Any, name: str) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.size():
-            raise ValueError(f"{name} must be a rank of the group, 0..{self.size() - 1}, got {rank!r}")
+        if not isinstance(rank, int) or not 0 <= rank < self._size:
+            raise ValueError(f"{name} must be a rank of the group, 0..{self._size - 1}, got {rank!r}")
 
     def shutdown(self) -> None:
         self.threaded.close()
