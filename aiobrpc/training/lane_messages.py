@@ -24,21 +24,25 @@ a NOTE: its kind, tag, number on the tag, elements, bytes and dtype name. The ki
   dtype, elements and bytes are in the note): the sender's pending send fails.
 - DECLINE (no data; from the sender): the GRANT of message (tag, number) does not fit what it
   sends (in the note): the granted recv fails.
-- CREDIT (no data): `bytes` more of held messages may come.
+- CREDIT (no data): `bytes` more of held messages, and `elements` more messages held or
+  announced (slots), may come. The receiver gives `max_messages` slots with its credit and
+  gives them back as its recvs take the messages; a sender out of slots keeps its sends
+  (numbered) until some come back, then sends them in order: it waits, never breaks the lane.
 - BYE: the sender leaves: it closes its group (elements 0, no data) or its group broke
   (elements 1; data, up to MAX_REASON bytes: whether it timed out, the ranks it blamed and its
   error's text, what its Status would answer). Its lane closing next is no death.
 
 Messages from one rank on one tag match their recvs in the order sent (the number), as with
 gloo. What a peer makes this rank keep is bounded: held bytes by the credit, held or announced
-messages and grants by `max_messages` per peer (one more breaks the group, as on calls).
+messages by the slots (`max_messages`), grants by `max_messages` per peer; a peer past them
+breaks its lane.
 A note that is not what the protocol allows (an unknown kind, DATA that was not granted, bytes
 past the credit, a message numbered twice) breaks the group naming the peer, logged. A lane
 that closes makes later sends and recvs with that peer fail at once; the group asks the peer's
 Status: those waiting fail with the peer's own error (it closed its group, or its group broke)
 and the group goes on, or, the peer not answering and not having said BYE (dead), the group
 breaks naming it. A recv, or a send waiting
-for its grant, that waits past the group's timeout fails (the group's tick: `expire`); a recv
+for its grant or a slot, that waits past the group's timeout fails (the group's tick: `expire`); a recv
 from any rank whose ranks do not answer then breaks the group, naming them.
 """
 
@@ -196,7 +200,7 @@ class _Peer:
     """What this rank keeps about the message lane to one peer."""
 
     __slots__ = ("lane", "meta_size", "credit", "allowance", "held_bytes", "unmatched", "grants", "owed", "queued",
-                 "lost", "bye", "reader", "filling")
+                 "lost", "bye", "reader", "filling", "slots", "slot_allowance", "owed_slots", "stalled")
 
     def __init__(self, lane: Lane) -> None:
         self.lane = lane
@@ -215,6 +219,13 @@ class _Peer:
         self.bye: PeerClosed | None = None  # what it said as it left, if it said BYE
         self.reader: threading.Thread | None = None
         self.filling: _Recv | None = None  # the recv its reader is reading into
+        # Messages that may wait at the other end for a recv (EAGER and ANNOUNCE), counted as
+        # the bytes are: `slots` this rank may still send it, `slot_allowance` it may still
+        # send this rank, `owed_slots` taken by recvs here and not yet given back.
+        self.slots = 0
+        self.slot_allowance = 0
+        self.owed_slots = 0
+        self.stalled: collections.deque = collections.deque()  # keys of its sends waiting for a slot
 
 class LaneMessages:
     """The point-to-point layer of one rank on its message lanes (made by the group once they
@@ -245,6 +256,7 @@ class LaneMessages:
         # tag -> {(src, number): _Held}, in arrival order (a recv from any takes the first)
         self._unmatched: dict[int, dict[tuple[int, int], _Held]] = {}
         self._pending: dict[tuple[int, int, int], _Send] = {}  # (dst, tag, number): announced
+        self._stalled: dict[tuple[int, int, int], _Send] = {}  # (dst, tag, number): waiting for a slot
         self._grants: dict[tuple[int, int, int], tuple[str, int, int]] = {}  # (src, tag, number)
         self._broken: CollectiveError | None = None
         self._said_bye = False
@@ -268,10 +280,10 @@ class LaneMessages:
             peer.reader = threading.Thread(target=self._read_loop, args=(peer,), daemon=True,
                                            name=f"aiobrpc-mail-read-rank{self.rank}-from{peer.lane.peer}")
             peer.reader.start()
-            if self.buffer_bytes:
-                with self._lock:
-                    peer.allowance = self.buffer_bytes
-                    self._note(peer, pack_note(CREDIT, 0, 0, 0, self.buffer_bytes))
+            with self._lock:
+                peer.allowance = self.buffer_bytes
+                peer.slot_allowance = self.max_messages
+                self._note(peer, pack_note(CREDIT, 0, 0, self.max_messages, self.buffer_bytes))
 
     def fail_all(self, err: CollectiveError) -> None:
         """The group broke: every pending send and recv fails with `err`, held data is dropped,
@@ -282,6 +294,7 @@ class LaneMessages:
             futures = [r.future for r in self._recvs.values()]
             futures += [r.future for q in self._any.values() for r in q]
             futures += [s.future for s in self._pending.values()]
+            futures += [s.future for s in self._stalled.values()]
             futures += [f for _, _, f in self._writes if f is not None]
             self._writes.clear()
             futures += [p.filling.future for p in self._peers if p is not None and p.filling is not None]
@@ -289,10 +302,12 @@ class LaneMessages:
             self._any.clear()
             self._unmatched.clear()
             self._pending.clear()
+            self._stalled.clear()
             self._grants.clear()
             for peer in self._peers:
                 if peer is not None:
                     peer.held_bytes = peer.unmatched = peer.grants = 0
+                    peer.stalled.clear()
             self._wake.notify_all()
         for f in futures:
             _settle(f, err)
@@ -310,6 +325,8 @@ class LaneMessages:
             for k in [k for k in self._recvs if k[0] == rank]:
                 del self._recvs[k]
             futures += [self._pending.pop(k).future for k in [k for k in self._pending if k[0] == rank]]
+            futures += [self._stalled.pop(k).future for k in [k for k in self._stalled if k[0] == rank]]
+            peer.stalled.clear()
             for k in [k for k in self._grants if k[0] == rank]:
                 del self._grants[k]
             for tag in list(self._unmatched):
@@ -358,18 +375,39 @@ class LaneMessages:
                 peer.grants -= 1
                 future = concurrent.futures.Future()
                 self._granted(peer, _Send(dst, tag, seq, dtype, numel, data, future, 0.0), grant, settle)
-            elif len(data) <= self.eager_bytes and peer.credit >= len(data):
-                peer.credit -= len(data)
-                bufs: list = []
-                frames(bufs, peer.lane, pack_note(EAGER, tag, seq, numel, len(data), dtype), data)
-                future = self._write(peer, bufs, _LATER, settle)
-            else:
+            elif peer.slots and not peer.stalled:
+                future = self._offer(peer, _Send(dst, tag, seq, dtype, numel, data, _LATER, 0.0), settle)
+            else:  # as many of its messages wait there for recvs as it allows: this one waits here
                 future = concurrent.futures.Future()
-                self._pending[(dst, tag, seq)] = _Send(dst, tag, seq, dtype, numel, data, future,
+                self._stalled[(dst, tag, seq)] = _Send(dst, tag, seq, dtype, numel, data, future,
                                                        time.monotonic() + self.timeout)
-                self._note(peer, pack_note(ANNOUNCE, tag, seq, numel, len(data), dtype))
+                peer.stalled.append((dst, tag, seq))
         _settle_all(settle)
         return future
+
+    def _offer(self, peer: _Peer, s: _Send, settle: list) -> Any:
+        """(Under the lock.) Send `s` on one of the peer's slots: EAGER while it has credit for
+        the bytes, else ANNOUNCE (its DATA goes once granted). Returns its future (made here
+        when `s.future` is _LATER)."""
+        peer.slots -= 1
+        if len(s.data) <= self.eager_bytes and peer.credit >= len(s.data):
+            peer.credit -= len(s.data)
+            bufs: list = []
+            frames(bufs, peer.lane, pack_note(EAGER, s.tag, s.seq, s.numel, len(s.data), s.dtype), s.data)
+            return self._write(peer, bufs, s.future, settle)
+        if s.future is _LATER:
+            s.future = concurrent.futures.Future()
+        s.at = time.monotonic() + self.timeout
+        self._pending[(s.dst, s.tag, s.seq)] = s
+        self._note(peer, pack_note(ANNOUNCE, s.tag, s.seq, s.numel, len(s.data), s.dtype))
+        return s.future
+
+    def _unstall(self, peer: _Peer, settle: list) -> None:
+        """(Under the lock.) Send what waits for a slot, in order, on the slots given back."""
+        while peer.stalled and peer.slots:
+            s = self._stalled.pop(peer.stalled.popleft(), None)
+            if s is not None:  # else granted or timed out meanwhile
+                self._offer(peer, s, settle)
 
     def recv(self, tensor: Any, src: int | None, tag: int) -> concurrent.futures.Future:
         """Receive into `tensor` the next message on `tag` from `src` (None: any rank); the
@@ -429,13 +467,14 @@ class LaneMessages:
         why = r.fits(held.dtype, held.numel, held.nbytes)
         if held.data is not None:
             peer.held_bytes -= held.nbytes
-            self._give_back(peer, held.nbytes)
+            self._give_back(peer, held.nbytes, 1)
             if why:
                 self._refuse(peer, r, why, settle)
             else:
                 r.buf[:] = held.data
                 settle.append((r.future, r.src))
             return
+        self._give_back(peer, 0, 1)
         if why:  # announced: the sender waits; it learns why
             self._refuse(peer, r, why, settle)
             return
@@ -465,12 +504,18 @@ class LaneMessages:
         frames(bufs, peer.lane, pack_note(DATA, s.tag, s.seq, s.numel, len(s.data), s.dtype), s.data)
         self._write(peer, bufs, s.future, settle)
 
-    def _give_back(self, peer: _Peer, nbytes: int) -> None:
+    def _give_back(self, peer: _Peer, nbytes: int, slots: int) -> None:
+        """(Under the lock.) Bytes of credit and slots the peer's messages took here and no
+        longer take: given back (CREDIT) an eighth at a time, or at once while the peer has
+        none left (its next send waits for them)."""
         peer.owed += nbytes  # at most buffer_bytes: every EAGER byte was within the credit given
-        if peer.owed and peer.owed >= max(1, self.buffer_bytes // 8):
-            self._note(peer, pack_note(CREDIT, 0, 0, 0, peer.owed))
+        peer.owed_slots += slots  # at most max_messages: every message was within the slots given
+        if (peer.owed and peer.owed >= max(1, self.buffer_bytes // 8)) or \
+                (peer.owed_slots and (peer.owed_slots >= max(1, self.max_messages // 8) or not peer.slot_allowance)):
+            self._note(peer, pack_note(CREDIT, 0, 0, peer.owed_slots, peer.owed))
             peer.allowance += peer.owed
-            peer.owed = 0
+            peer.slot_allowance += peer.owed_slots
+            peer.owed = peer.owed_slots = 0
 
     def _drop_if_empty(self, tag: int) -> None:
         if not self._unmatched.get(tag, True):
@@ -510,6 +555,13 @@ class LaneMessages:
                     settle.append((s.future, CollectiveTimeout(
                         f"{s.describe()} timed out after {self.timeout:g} s on rank {self.rank}: rank {s.dst} "
                         f"({self.addresses[s.dst]}) posted no recv for it", (s.dst,))))
+            for key, s in list(self._stalled.items()):
+                if s.at <= now:
+                    del self._stalled[key]
+                    settle.append((s.future, CollectiveTimeout(
+                        f"{s.describe()} timed out after {self.timeout:g} s on rank {self.rank}: rank {s.dst} "
+                        f"({self.addresses[s.dst]}) took none of the {self.max_messages} messages waiting there "
+                        f"for its recvs (max_messages), so this one could not go", (s.dst,))))
         _settle_all(settle)
         return recvs
 
@@ -664,10 +716,13 @@ class LaneMessages:
             self.placed += 1
             peer.filling = r
             return r.buf, r, None
-        # EAGER: sent on the credit this rank gave, which it gives back whatever becomes of it
+        # EAGER: sent on the credit and a slot this rank gave, which it gives back whatever
+        # becomes of it
         if nbytes > peer.allowance:
             raise LaneError(f"an EAGER message of {nbytes} bytes past the credit given ({peer.allowance} "
                             f"bytes of it left)")
+        if not peer.slot_allowance:
+            raise LaneError(f"an EAGER message past the {self.max_messages} slots given (max_messages)")
         if r is None and seq == self._next_match.get((src, tag), 1) and self._any.get(tag):
             r = self._any[tag].popleft()
             if not self._any[tag]:
@@ -679,8 +734,9 @@ class LaneMessages:
         if r is None:
             self._check_new(peer, tag, seq)
         peer.allowance -= nbytes
+        peer.slot_allowance -= 1
         if r is not None:
-            self._give_back(peer, nbytes)
+            self._give_back(peer, nbytes, 1)
             if r.abandoned:
                 return None, None, None
             why = r.fits(dtype, numel, nbytes)
@@ -714,7 +770,7 @@ class LaneMessages:
         elif r.abandoned:  # timed out meanwhile: dropped
             peer.unmatched -= 1
             peer.held_bytes -= held.nbytes
-            self._give_back(peer, held.nbytes)
+            self._give_back(peer, held.nbytes, 1)
         else:
             self._bind(peer, r, held, settle)
 
@@ -736,6 +792,8 @@ class LaneMessages:
         src = peer.lane.peer
         if kind == CREDIT:
             peer.credit = min(_CREDIT_MAX, peer.credit + nbytes)
+            peer.slots = min(_CREDIT_MAX, peer.slots + numel)
+            self._unstall(peer, settle)
         elif kind == BYE:
             if numel:
                 reason = None
@@ -753,7 +811,7 @@ class LaneMessages:
                 peer.lost = bye.reason if isinstance(bye, PeerBroke) and bye.reason is not None else bye
                 settle.append((None, bye))  # reported by the caller, once the lock is let go
         elif kind == GRANT:
-            s = self._pending.pop((src, tag, seq), None)
+            s = self._pending.pop((src, tag, seq), None) or self._stalled.pop((src, tag, seq), None)
             if s is not None:
                 self._granted(peer, s, (dtype, numel, nbytes), settle)
             elif seq > self._send_seq.get((src, tag), 0):  # a recv posted before its send
@@ -783,9 +841,13 @@ class LaneMessages:
                 settle.append((r.future, self._mismatch(r.describe(), src, f"it sends {numel} {dtype} ({nbytes} "
                                                         f"bytes), the recv takes {r.numel} {r.dtype} "
                                                         f"({r.buf.nbytes} bytes)")))
-        else:  # ANNOUNCE
+        else:  # ANNOUNCE, on a slot this rank gave
+            if not peer.slot_allowance:
+                raise LaneError(f"an ANNOUNCE past the {self.max_messages} slots given (max_messages)")
+            peer.slot_allowance -= 1
             r = self._recvs.get((src, tag, seq))
             if r is not None:
+                self._give_back(peer, 0, 1)  # no wait here: its recv is posted
                 if not r.granted:  # a small recv posted before: granted now
                     if r.abandoned:  # it timed out: no recv takes the message, its send times out
                         del self._recvs[(src, tag, seq)]
