@@ -562,6 +562,9 @@ class LaneMessages:
                         f"{s.describe()} timed out after {self.timeout:g} s on rank {self.rank}: rank {s.dst} "
                         f"({self.addresses[s.dst]}) took none of the {self.max_messages} messages waiting there "
                         f"for its recvs (max_messages), so this one could not go", (s.dst,))))
+            for peer in self._peers:  # the keys of sends that timed out or were granted meanwhile
+                while peer is not None and peer.stalled and peer.stalled[0] not in self._stalled:
+                    peer.stalled.popleft()
         _settle_all(settle)
         return recvs
 
