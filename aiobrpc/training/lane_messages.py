@@ -225,7 +225,8 @@ class _Peer:
         self.slots = 0
         self.slot_allowance = 0
         self.owed_slots = 0
-        self.stalled: collections.deque = collections.deque()  # keys of its sends waiting for a slot
+        self.stalled: dict[tuple[int, int], _Send] = {}  # (tag, number) -> its send waiting for a slot, in order
+
 
 class LaneMessages:
     """The point-to-point layer of one rank on its message lanes (made by the group once they
@@ -256,7 +257,6 @@ class LaneMessages:
         # tag -> {(src, number): _Held}, in arrival order (a recv from any takes the first)
         self._unmatched: dict[int, dict[tuple[int, int], _Held]] = {}
         self._pending: dict[tuple[int, int, int], _Send] = {}  # (dst, tag, number): announced
-        self._stalled: dict[tuple[int, int, int], _Send] = {}  # (dst, tag, number): waiting for a slot
         self._grants: dict[tuple[int, int, int], tuple[str, int, int]] = {}  # (src, tag, number)
         self._broken: CollectiveError | None = None
         self._said_bye = False
@@ -294,7 +294,7 @@ class LaneMessages:
             futures = [r.future for r in self._recvs.values()]
             futures += [r.future for q in self._any.values() for r in q]
             futures += [s.future for s in self._pending.values()]
-            futures += [s.future for s in self._stalled.values()]
+            futures += [s.future for p in self._peers if p is not None for s in p.stalled.values()]
             futures += [f for _, _, f in self._writes if f is not None]
             self._writes.clear()
             futures += [p.filling.future for p in self._peers if p is not None and p.filling is not None]
@@ -302,7 +302,6 @@ class LaneMessages:
             self._any.clear()
             self._unmatched.clear()
             self._pending.clear()
-            self._stalled.clear()
             self._grants.clear()
             for peer in self._peers:
                 if peer is not None:
@@ -325,7 +324,7 @@ class LaneMessages:
             for k in [k for k in self._recvs if k[0] == rank]:
                 del self._recvs[k]
             futures += [self._pending.pop(k).future for k in [k for k in self._pending if k[0] == rank]]
-            futures += [self._stalled.pop(k).future for k in [k for k in self._stalled if k[0] == rank]]
+            futures += [s.future for s in peer.stalled.values()]
             peer.stalled.clear()
             for k in [k for k in self._grants if k[0] == rank]:
                 del self._grants[k]
@@ -379,9 +378,8 @@ class LaneMessages:
                 future = self._offer(peer, _Send(dst, tag, seq, dtype, numel, data, _LATER, 0.0), settle)
             else:  # as many of its messages wait there for recvs as it allows: this one waits here
                 future = concurrent.futures.Future()
-                self._stalled[(dst, tag, seq)] = _Send(dst, tag, seq, dtype, numel, data, future,
-                                                       time.monotonic() + self.timeout)
-                peer.stalled.append((dst, tag, seq))
+                peer.stalled[(tag, seq)] = _Send(dst, tag, seq, dtype, numel, data, future,
+                                                 time.monotonic() + self.timeout)
         _settle_all(settle)
         return future
 
@@ -405,9 +403,7 @@ class LaneMessages:
     def _unstall(self, peer: _Peer, settle: list) -> None:
         """(Under the lock.) Send what waits for a slot, in order, on the slots given back."""
         while peer.stalled and peer.slots:
-            s = self._stalled.pop(peer.stalled.popleft(), None)
-            if s is not None:  # else granted or timed out meanwhile
-                self._offer(peer, s, settle)
+            self._offer(peer, peer.stalled.pop(next(iter(peer.stalled))), settle)
 
     def recv(self, tensor: Any, src: int | None, tag: int) -> concurrent.futures.Future:
         """Receive into `tensor` the next message on `tag` from `src` (None: any rank); the
@@ -555,16 +551,13 @@ class LaneMessages:
                     settle.append((s.future, CollectiveTimeout(
                         f"{s.describe()} timed out after {self.timeout:g} s on rank {self.rank}: rank {s.dst} "
                         f"({self.addresses[s.dst]}) posted no recv for it", (s.dst,))))
-            for key, s in list(self._stalled.items()):
-                if s.at <= now:
-                    del self._stalled[key]
+            for peer in self._peers:
+                for key in [k for k, s in peer.stalled.items() if s.at <= now] if peer is not None else ():
+                    s = peer.stalled.pop(key)
                     settle.append((s.future, CollectiveTimeout(
                         f"{s.describe()} timed out after {self.timeout:g} s on rank {self.rank}: rank {s.dst} "
                         f"({self.addresses[s.dst]}) took none of the {self.max_messages} messages waiting there "
                         f"for its recvs (max_messages), so this one could not go", (s.dst,))))
-            for peer in self._peers:  # the keys of sends that timed out or were granted meanwhile
-                while peer is not None and peer.stalled and peer.stalled[0] not in self._stalled:
-                    peer.stalled.popleft()
         _settle_all(settle)
         return recvs
 
@@ -814,7 +807,7 @@ class LaneMessages:
                 peer.lost = bye.reason if isinstance(bye, PeerBroke) and bye.reason is not None else bye
                 settle.append((None, bye))  # reported by the caller, once the lock is let go
         elif kind == GRANT:
-            s = self._pending.pop((src, tag, seq), None) or self._stalled.pop((src, tag, seq), None)
+            s = self._pending.pop((src, tag, seq), None) or peer.stalled.pop((tag, seq), None)
             if s is not None:
                 self._granted(peer, s, (dtype, numel, nbytes), settle)
             elif seq > self._send_seq.get((src, tag), 0):  # a recv posted before its send
@@ -912,6 +905,10 @@ class LaneMessages:
 
     def held_bytes(self) -> list[int]:
         return [0 if p is None else p.held_bytes for p in self._peers]
+
+    def stalled_count(self) -> int:
+        """Sends waiting here for a slot, to every peer."""
+        return sum(len(p.stalled) for p in self._peers if p is not None)
 
     def unmatched_count(self) -> list[int]:
         return [0 if p is None else p.unmatched for p in self._peers]

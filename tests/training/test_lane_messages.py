@@ -427,14 +427,14 @@ async def test_a_sender_past_max_messages_waits_for_the_receivers_recvs_and_goes
         # More sends than the receiver holds before its recvs come (a loop of sends, or
         # isend of every tensor of a model): the fifth on waits here, none breaks anything.
         sends = [g0.send(np.full(3, t, np.int8), 1, tag=t % 3) for t in range(40)]
-        await wait_until(lambda: g1.messages.unmatched_count()[0] == 4 and len(g0.messages._stalled) == 36)
+        await wait_until(lambda: g1.messages.unmatched_count()[0] == 4 and g0.messages.stalled_count() == 36)
         await asyncio.sleep(0.1)
         assert g0.broken is None and g1.broken is None and sum(s.done() for s in sends) <= 4
         outs = [np.zeros(3, np.int8) for _ in range(40)]
         got = [g1.recv(outs[t], 0, tag=t % 3) for t in range(40)]
         await _wait(asyncio.gather(*sends, *got))
         assert [int(o[0]) for o in outs] == list(range(40))
-        assert g1.messages.unmatched_count() == [0, 0] and not g0.messages._stalled
+        assert g1.messages.unmatched_count() == [0, 0] and not g0.messages.stalled_count()
         await _still_talk(g1, g0)
     finally:
         await _close(groups)
@@ -449,7 +449,7 @@ async def test_a_send_that_waits_for_a_slot_times_out_naming_the_receiver(tmp_pa
         await _wait(asyncio.gather(*first))
         with pytest.raises(CollectiveTimeout, match=r"rank 1 .*took none of the 2 messages waiting there") as info:
             await _wait(late)
-        assert info.value.ranks == (1,) and g0.broken is None and not g0.messages._stalled
+        assert info.value.ranks == (1,) and g0.broken is None and not g0.messages.stalled_count()
     finally:
         await _close(groups)
 
