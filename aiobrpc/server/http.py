@@ -46,6 +46,25 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbid
             503: b"Service Unavailable", 504: b"Gateway Timeout"}
 
 
+
+def split_target(target: bytes) -> tuple[str, str] | None:
+    """A request target's path (unquoted) and query; None for one that is not a URL.
+
+    An origin-form target (RFC 9112 3.2.1, "/path?query") is split by hand: urlsplit would
+    read "//x/y" as a host "x" and path "/y", and raise on "//h]x" (an IPv6 host never closed).
+    Anything else (absolute-form "http://host/path", asterisk-form) goes through urlsplit.
+    """
+    text = target.decode("latin-1").partition("#")[0]
+    if text.startswith("/"):
+        path, _, query = text.partition("?")
+    else:
+        try:
+            parts = urlsplit(text)
+        except ValueError:
+            return None
+        path, query = parts.path, parts.query
+    return unquote(path), query
+
 class HttpSession:
     """The HTTP side of one server connection (`conn`, a ServerConnection)."""
 
@@ -203,10 +222,11 @@ class HttpSession:
             self.conn.abort()
 
     async def _route(self, request: h11.Request, headers: dict, body: bytes) -> HttpReply | None:
-        target = request.target.decode("latin-1")
-        parts = urlsplit(target)
-        path = unquote(parts.path)
-        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        split = split_target(request.target)
+        if split is None:
+            return HttpReply(400, [("Content-Type", "text/plain")], b"the request target is not a URL\n")
+        path, query = split
+        query = dict(parse_qsl(query, keep_blank_values=True))
         first, _, rest = path.strip("/").partition("/")
         first = first or "index"
         opts = self.server.options
@@ -225,8 +245,8 @@ class HttpSession:
         if opts.auth is None:
             return False
         if self.conn.internal and opts.has_builtin_services:
-            path = unquote(urlsplit(target.decode("latin-1")).path)
-            if (path.strip("/").partition("/")[0] or "index") in builtin.PAGES:
+            split = split_target(target)  # the same reading as _route's, so both name one page
+            if split is not None and (split[0].strip("/").partition("/")[0] or "index") in builtin.PAGES:
                 return False
         return True
 

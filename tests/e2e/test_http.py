@@ -426,6 +426,21 @@ async def test_traversal_paths_are_404_never_a_file(server, path):  # H11
         assert status == 404
 
 
+@pytest.mark.parametrize("target,status", [
+    (b"//h]alth", 404),  # urlsplit raised on it (an IPv6 host never closed): found by fuzzing
+    (b"//health", 200),  # origin-form: a path, never a host
+    (b"/health#frag?x", 200),
+    (b"/health?x=1#y", 200),
+    (b"http://example.com/health", 200),  # absolute-form
+    (b"http://[::1/health", 400),  # absolute-form no URL parser takes
+    (b"h]alth", 404),
+])
+async def test_any_request_target_is_answered_by_its_path(server, target, status):
+    got, closed = await raw_exchange(server.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                                     want=1 << 16, shutdown=True)
+    assert got.startswith(f"HTTP/1.1 {status} ".encode()), got[:80]
+
+
 async def test_pipelined_bytes_wait_in_the_kernel_while_a_request_is_answered(server):
     """A client that pipelines megabytes behind a slow request: the server stops reading, so
     its buffers stay bounded; everything is answered afterwards, in order."""

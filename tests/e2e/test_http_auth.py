@@ -122,6 +122,20 @@ async def test_builtin_pages_are_exempt_on_the_internal_port_only():
         assert auth.asked == []
 
 
+async def test_a_target_that_is_no_page_is_never_exempt_on_the_internal_port():
+    """The exemption and the route read a target the same way: what is exempt is a page."""
+    auth = Auth()
+    async with aiobrpc.Server(aiobrpc.ServerOptions(auth=auth, internal_port=0)) as srv:
+        srv.add_service(Servicer())
+        await srv.start("127.0.0.1:0")
+        for target, status in [(b"//health", 200), (b"//h]alth", 401), (b"http://[::1/health", 401),
+                               (b"//interop.EchoService/Echo", 401), (b"http://x/health", 200)]:
+            got, _ = await raw_exchange(srv.internal_port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                                        want=1 << 16, shutdown=True)
+            assert got.startswith(f"HTTP/1.1 {status} ".encode()), (target, got[:80])
+        assert auth.asked == []
+
+
 async def test_the_authenticators_unauthorized_text_is_sent():
     class Texted(Auth):
         def unauthorized_error_text(self):
