@@ -56,6 +56,7 @@ _DTYPE_NAME = {code: name for name, code in DTYPE_NAMES.items()}
 # Control calls (Abort, Status) are short; a rank that does not answer one within this is hung.
 CONTROL_TIMEOUT_S = 2.0
 CLOSE_DRAIN_S = 1.0
+CLOSE_FLUSH_S = 10.0  # the longest a close waits for its peers to take what its sends wrote
 AUTO_THREAD_BYTES = 4 << 20
 NEVER = 1 << 62  # a thread_bytes no segment reaches
 LANE_SLACK_S = 2.0  # the lanes' own deadline is this much after the diagnosis's timeout
@@ -260,6 +261,10 @@ class Group:
         healthy = self._broken is None
         if self.messages is not None:
             self.messages.goodbye()  # before the lanes close: the peers take it for no death
+            if healthy:  # what the sends wrote reaches the peers that still read (see unsent)
+                end = self._loop.time() + min(self.timeout, CLOSE_FLUSH_S)
+                while self.messages.unsent() and self._loop.time() < end:
+                    await asyncio.sleep(0.002)
         self._fail(CollectiveError(f"the group was closed on rank {self.rank}"), tell_peers=False)
         if self._background:  # an Abort still on its way to a peer is worth a short wait
             await asyncio.wait(list(self._background), timeout=CONTROL_TIMEOUT_S)

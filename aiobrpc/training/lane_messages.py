@@ -65,6 +65,14 @@ from .lanes import (FRAME_BYTES, HEADER, INLINE_BYTES, MAX_DTYPE_NAME, MAX_FRAME
                     check_data_meta, dtype_name_at, frames, parse_header, timeval, _write_now)
 from .p2p import byte_view
 
+try:  # the bytes a TCP socket's kernel holds unacknowledged (Linux: SIOCOUTQ)
+    import fcntl
+    import termios
+    _OUTQ = termios.TIOCOUTQ
+except (ImportError, AttributeError):
+    fcntl = None
+    _OUTQ = 0
+
 log = logging.getLogger(__name__)
 
 EAGER, ANNOUNCE, GRANT, DATA, REFUSE, CREDIT, DECLINE, BYE = 1, 2, 3, 4, 5, 6, 7, 8
@@ -313,8 +321,11 @@ class LaneMessages:
 
     def fail_peer(self, rank: int, err: CollectiveError) -> None:
         """The lane to `rank` is lost: the recvs from it and the sends to it that wait fail
-        with `err`; what it left here is dropped. Recvs from any rank wait on (another rank
-        may send), as do sends and recvs with other ranks."""
+        with `err`; what it left here is dropped, but the messages a peer that closed its
+        group (a BYE, no error) sent whole before it: later recvs still take them, as gloo's
+        do (its sends were done). Recvs from any rank wait on (another rank may send), as do
+        sends and recvs with other ranks."""
+        keep = type(err) is PeerClosed
         with self._lock:
             peer = self._peers[rank]
             peer.lost = err  # later sends and recvs say why too
@@ -328,11 +339,17 @@ class LaneMessages:
             peer.stalled.clear()
             for k in [k for k in self._grants if k[0] == rank]:
                 del self._grants[k]
-            for tag in list(self._unmatched):
-                for k in [k for k in self._unmatched[tag] if k[0] == rank]:
-                    del self._unmatched[tag][k]
-                self._drop_if_empty(tag)
             peer.held_bytes = peer.unmatched = peer.grants = 0
+            for tag in list(self._unmatched):
+                queue = self._unmatched[tag]
+                for k in [k for k in queue if k[0] == rank]:
+                    held = queue[k]
+                    if keep and held.data is not None:
+                        peer.held_bytes += held.nbytes
+                        peer.unmatched += 1
+                    else:
+                        del queue[k]
+                self._drop_if_empty(tag)
         for f in futures:
             _settle(f, err)
 
@@ -350,6 +367,20 @@ class LaneMessages:
             for peer in self._peers:
                 if peer is not None and peer.lost is None:
                     self._note(peer, pack_note(BYE, 0, 0, int(broke is not None), len(reason)), reason)
+
+    def unsent(self) -> int:
+        """After `goodbye`: what this rank's lanes still hold to deliver to peers that can take
+        it, writes the writing thread has not done and bytes a lane's kernel holds that its
+        peer has not acknowledged (0 where the platform does not tell). The group waits for 0
+        (bounded) before it closes the lanes: a socket closed with bytes unread in it resets
+        the connection, and its kernel drops what it still held to send, messages whose sends
+        had completed (once written to the kernel) among them."""
+        with self._lock:
+            if self._broken is not None:
+                return 0
+            live = [p for p in self._peers if p is not None and p.lost is None]
+            queued = sum(p.queued for p in live)
+        return queued + sum(_unacknowledged(p.lane.sock) for p in live)
 
     def join(self, timeout: float = 5.0) -> None:
         """Wait for the threads (after fail_all and the lanes' shutdown, they end at once)."""
@@ -413,13 +444,18 @@ class LaneMessages:
         settle: list = []
         with self._lock:
             if src is not None:
-                peer = self._usable(src)
+                if self._broken is not None:
+                    raise self._broken
+                peer = self._peers[src]
                 seq = self._next_match.get((src, tag), 1)
+                queue = self._unmatched.get(tag)
+                held = queue.get((src, seq)) if queue else None
+                if peer.lost is not None and (held is None or held.data is None):
+                    raise peer.lost  # but a peer that closed its group: what it sent before is still taken
                 self._next_match[(src, tag)] = seq + 1
                 r.seq = seq
-                queue = self._unmatched.get(tag)
-                held = queue.pop((src, seq), None) if queue else None
                 if held is not None:
+                    del queue[(src, seq)]
                     self._drop_if_empty(tag)
                     self._bind(peer, r, held, settle)
                 elif r.buf.nbytes > self.eager_bytes:
@@ -429,7 +465,8 @@ class LaneMessages:
             else:
                 self._usable(None)
                 for (s, seq), held in self._unmatched.get(tag, {}).items():
-                    if seq == self._next_match.get((s, tag), 1):
+                    if seq == self._next_match.get((s, tag), 1) and (held.data is not None
+                                                                     or self._peers[s].lost is None):
                         del self._unmatched[tag][(s, seq)]
                         self._drop_if_empty(tag)
                         self._next_match[(s, tag)] = seq + 1
@@ -915,6 +952,15 @@ class LaneMessages:
 
     def credit(self, rank: int) -> int:
         return self._peers[rank].credit
+
+
+def _unacknowledged(sock: socket.socket) -> int:
+    if fcntl is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):  # closed, or not a socket the ioctl knows (a socketpair's)
+        return 0
 
 
 def _read(sock: socket.socket, n: int) -> bytes:

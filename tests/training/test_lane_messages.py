@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import threading
 import time
 
 import numpy as np
@@ -450,6 +451,68 @@ async def test_a_send_that_waits_for_a_slot_times_out_naming_the_receiver(tmp_pa
         with pytest.raises(CollectiveTimeout, match=r"rank 1 .*took none of the 2 messages waiting there") as info:
             await _wait(late)
         assert info.value.ranks == (1,) and g0.broken is None and not g0.messages.stalled_count()
+    finally:
+        await _close(groups)
+
+
+@pytest.mark.parametrize("size", [16 << 10, 1 << 20])  # eager, or announced
+async def test_what_a_rank_sent_before_it_closed_reaches_a_peer_that_reads_it_later(tmp_path, monkeypatch, size):
+    """A rank that sends and closes its group at once: what its sends wrote is still in its
+    kernel while the peer reads slowly. Its close waits (bounded) for the peer to take it, as
+    a socket closed with unread bytes in it resets and drops what it still held to send."""
+    g0, g1 = groups = await _groups(tmp_path)
+    gate, gated = threading.Event(), g0._lanes.mail[1].sock
+    real = M._read_into
+
+    def slow(sock, view):  # rank 0 reads the messages' bytes from rank 1 only once the gate opens
+        if sock is gated:
+            gate.wait(BOUND)
+        real(sock, view)
+
+    monkeypatch.setattr(M, "_read_into", slow)
+    try:
+        n = (12 << 20) // size  # past the kernels' buffers; fewer than the 1024 slots
+        outs = [np.zeros(size, np.uint8) for _ in range(n)]
+        got = [g0.recv(outs[i], 1, tag=i) for i in range(n)]
+        await wait_until(lambda: g1.messages.credit(0) > 0)
+        sends = [g1.send(np.full(size, i % 251, np.uint8), 0, tag=i) for i in range(n)]
+        await wait_until(lambda: sum(s.done() for s in sends) >= 2)
+        closing = asyncio.ensure_future(g1.close())
+        await asyncio.sleep(0.3)
+        gate.set()
+        await _wait(closing)
+        sent = [i for i, s in enumerate(sends) if s.done() and s.exception() is None]
+        await _wait(asyncio.gather(*(got[i] for i in sent)))
+        assert all(int(outs[i][0]) == int(outs[i][-1]) == i % 251 for i in sent)
+        assert len(sent) == n  # the close waited for the writes its sends had begun
+    finally:
+        gate.set()
+        await _close(groups)
+
+
+async def test_the_messages_of_a_rank_that_closed_its_group_are_still_received(tmp_path):
+    """Its sends were done: what it sent whole before its BYE stays for the recvs, from it or
+    from any rank; a recv past them, or one posted before and never matched, fails naming it."""
+    g0, g1, g2 = groups = await _groups(tmp_path, world=3)
+    try:
+        waiting = g1.recv(np.zeros(2, np.int8), 0, tag=9)  # never sent: fails once rank 0 left
+        await _wait(asyncio.gather(*(g0.send(np.full(2, i, np.int8), 1, tag=i % 2) for i in range(4))))
+        await wait_until(lambda: g1.messages.unmatched_count()[0] == 4)
+        await g0.close()
+        with pytest.raises(M.PeerClosed, match="rank 0 .* closed its group"):
+            await _wait(waiting)
+        await wait_until(lambda: g1.messages.left(0) is not None)
+        outs = [np.zeros(2, np.int8) for _ in range(4)]
+        assert await _wait(g1.recv(outs[0], 0, tag=0)) == 0
+        assert await _wait(g1.recv(outs[1], None, tag=1)) == 0  # from any rank
+        assert await _wait(g1.recv(outs[2], 0, tag=0)) == 0
+        assert await _wait(g1.recv(outs[3], 0, tag=1)) == 0
+        assert [int(o[0]) for o in outs] == [0, 1, 2, 3]
+        assert g1.messages.held_bytes()[0] == 0 and g1.messages.unmatched_count()[0] == 0
+        with pytest.raises(M.PeerClosed, match="rank 0 .* closed its group"):
+            g1.recv(np.zeros(2, np.int8), 0, tag=0)
+        assert g1.broken is None
+        await _still_talk(g1, g2)
     finally:
         await _close(groups)
 

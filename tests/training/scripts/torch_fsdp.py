@@ -3,7 +3,8 @@ seeded MLP over the aiobrpc group and over a gloo group in the same processes; t
 the parameters must agree. argv[1]: "fsdp", "pipeline" (a 2-stage ScheduleGPipe likewise),
 "1f1b" (Schedule1F1B), "hsdp" (world 4: fully_shard on a (2, 2) replicate x shard mesh made
 of aiobrpc groups, against the same mesh made of gloo groups) or "regroup" (the default group
-destroyed and made again in the same processes, as torchrun's elastic restart does).
+destroyed and made again in the same processes, as torchrun's elastic restart does; then a rank
+sends and destroys its group at once).
 Prints "ok" per rank."""
 
 import datetime
@@ -149,6 +150,21 @@ def check_regroup(rank, world, gloo):
     elif rank == 1:
         dist.recv(out, 0)
         assert out.item() == 7.0
+    # A rank that sends and destroys its group at once, no barrier: its messages, written to its
+    # kernel when its sends returned, still all reach a receiver that takes them later.
+    if rank == 0:
+        for i in range(N_LAST_SENDS):
+            dist.send(torch.full((4096,), float(i)), 1)
+        dist.destroy_process_group()
+    elif rank == 1:
+        got = torch.empty(4096)
+        for i in range(N_LAST_SENDS):
+            dist.recv(got, 0)
+            assert got[0].item() == got[-1].item() == i, (i, got[0].item())
+        dist.destroy_process_group()
+
+
+N_LAST_SENDS = 3000
 
 
 def main():
@@ -157,8 +173,9 @@ def main():
     gloo = dist.new_group(backend="gloo")
     {"fsdp": check_fsdp, "pipeline": check_pipeline, "1f1b": check_1f1b, "hsdp": check_hsdp,
      "regroup": check_regroup}[sys.argv[1]](rank, world, gloo)
-    dist.barrier()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # "regroup" ends with the group destroyed
+        dist.barrier()
+        dist.destroy_process_group()
     print("ok", flush=True)
 
 
