@@ -23,8 +23,9 @@ or announced messages and stored grants <= max_messages) and those counts match 
 nothing is written outside a recv's tensor, nor into one that timed out; a recv that completed
 holds exactly the payload of the EAGER or DATA message that matched it (an independent reading
 of the frames), of its dtype and size; rank 0 writes only well-formed frames, its EAGER or DATA
-the send's bytes; `fail_peer` leaves nothing of rank 1 in the tables and settles what waited on
-it, `fail_all` the rest, and every thread ends once the lanes are shut.
+the send's bytes; `fail_peer` leaves nothing of rank 1 in the tables (but, where it closed
+its group with a BYE, the messages it sent whole before, which a recv from it then takes) and
+settles what waited on it, `fail_all` the rest, and every thread ends once the lanes are shut.
 
     python -m fuzz.lane_messages fuzz/corpus/lane_messages -max_total_time=60
     python -m fuzz.lane_messages --seeds fuzz/corpus/lane_messages     # (re)write the seed corpus
@@ -269,18 +270,43 @@ def _check(m: M.LaneMessages, posted: list[_Posted], reports: list, send_bytes: 
     if counts != (held_bytes, len(held), grants):
         raise H.Finding(f"the counts {counts} do not match the tables {(held_bytes, len(held), grants)}")
     for p in posted:
-        if p.name == "send" and not p.future.done() and (1, 0, 1) not in m._pending:
+        if p.name == "send" and not p.future.done() and (1, 0, 1) not in m._pending and (0, 1) not in peer.stalled:
             with contextlib.suppress(Exception):
                 p.future.result(READER_SECONDS)  # granted: being written by the writing thread
     states = " ".join(f"{p.name} {p.state()}" for p in posted)
     end = "refused" if any(fatal for _, fatal in reports) else "closed"
-    # the group learns the lane is lost: what waits on rank 1 fails, nothing of it is kept
-    m.fail_peer(1, CollectiveError("fuzz: rank 1 is lost", (1,)))
+    # the group learns the lane is lost: what waits on rank 1 fails, nothing of it is kept but,
+    # where rank 1 closed its group (a BYE, no error), the messages it sent whole before
+    bye = m.left(1)
+    closed = type(bye) is M.PeerClosed
+    m.fail_peer(1, bye if closed else CollectiveError("fuzz: rank 1 is lost", (1,)))
     with m._lock:
-        left = ([k for q in m._unmatched.values() for k in q if k[0] == 1] + [k for k in m._grants if k[0] == 1]
-                + [k for k in m._pending if k[0] == 1] + [k for k in m._recvs if k[0] == 1])
-    if left or (m.held_bytes()[1], m.unmatched_count()[1], peer.grants) != (0, 0, 0):
-        raise H.Finding(f"fail_peer left rank 1's entries {left[:4]} or counts")
+        kept = [h for q in m._unmatched.values() for (src, _), h in q.items() if src == 1]
+        left = ([k for q in m._unmatched.values() for k, h in q.items() if k[0] == 1 and not (closed and h.data is not None)]
+                + [k for k in m._grants if k[0] == 1] + [k for k in m._pending if k[0] == 1]
+                + [k for k in m._recvs if k[0] == 1])
+        counts = (m.held_bytes()[1], m.unmatched_count()[1], peer.grants)
+    if left or counts != (sum(h.nbytes for h in kept), len(kept), 0):
+        raise H.Finding(f"fail_peer left rank 1's entries {left[:4]} or counts {counts} for {len(kept)} kept")
+    if closed:  # a recv from rank 1 takes what it sent whole before it left
+        for tag, q in list(m._unmatched.items()):
+            h = q.get((1, m._next_match.get((1, tag), 1)))
+            if h is None or h.data is None:
+                continue
+            try:
+                dt = np.dtype(h.dtype)
+            except TypeError:  # bfloat16: numpy has none
+                continue
+            if dt.itemsize * h.numel != h.nbytes:
+                continue
+            want, arr = bytes(h.data), np.zeros(h.numel, dt)
+            try:
+                got = m.recv(arr, 1, tag).result(READER_SECONDS)
+            except (CollectiveError, concurrent.futures.TimeoutError) as e:
+                raise H.Finding(f"a recv after rank 1 closed failed on a message it sent whole before: {e!r}")
+            if got != 1 or arr.tobytes() != want:
+                raise H.Finding("a recv after rank 1 closed did not get the message it sent whole before")
+            break
     for p in posted:
         if p.name != "any" and not p.future.done():
             raise H.Finding(f"the {p.name} still waits after fail_peer (rank 1's reports: "
@@ -524,6 +550,8 @@ def seeds() -> dict[str, bytes]:
         # BYE (kind 8): a closed group; a broken one, without and with its reason (timed out,
         # ranks, text); a reason naming a rank past the world
         "bye_closed_with_a_recv_waiting": p(1, 4) + _msg(8, 0, 0),
+        "bye_closed_after_held_messages": p(0) + eager4 + _msg(EAGER, 1, 1, 4, 16, "float32", _f32(4, 3))
+        + _msg(ANNOUNCE, 2, 1, 30, 120, "float32") + _msg(8, 0, 0),
         "bye_broke_without_a_reason": p(1 | 4, 4, 0, 4) + _msg(8, 0, 0, 1),
         "bye_broke_with_its_reason": p(1 | 2 | 4, 4, 4, 4) + _msg(8, 0, 0, 1, len(_REASON_1), "", _REASON_1),
         "bye_broke_reason_past_the_world": p(1, 4) + _msg(8, 0, 0, 1, 9, "", bytes([0, 1, 0, 0, 0, 5, 0, 0, 0])),
