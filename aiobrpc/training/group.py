@@ -117,8 +117,8 @@ class Group:
         p2p_eager_bytes: Messages up to this size travel in one call and may be held by the
             receiver until their recv is posted; larger ones wait for it (p2p.py).
         p2p_buffer_bytes: The most bytes of such held messages per peer.
-        p2p_max_messages: The most messages per peer held or waiting with no recv posted;
-            one more breaks the group.
+        p2p_max_messages: The most messages per peer held or waiting with no recv posted; a
+            sender past them waits for the receiver's recvs (and fails at the timeout).
         lanes: Carry the collectives (ring ones, all_to_all, gather, scatter) and send/recv on
             lanes (lanes.py, lane_messages.py): two connections per pair of ranks read and
             written by blocking threads, opened when the group starts. False: through the

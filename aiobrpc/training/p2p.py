@@ -14,8 +14,12 @@ Two ways on the wire (`Send` calls of the Collective service):
   recv is posted (or fails it at the timeout); the sender then sends the message in pieces of
   `segment_bytes`, each received by the kernel straight into the recv's tensor.
 
-Unmatched messages (held or announced) are at most `max_messages` per peer; past that the
-peer's call is refused, logged and the group broken. A message that does not fit its recv
+Unmatched messages (held or announced) are at most `max_messages` per peer. Past that an
+EAGER call is answered `busy` (the sender announces it instead) and an announcement waits,
+outside the tables, for a recv to take one (or for its own recv), within the timeout: an
+honest sender ahead of its receiver's recvs waits, as gloo's does. A sender keeps at most
+`max_messages` calls in flight to each rank, so an honest one never has more waiting there;
+a peer that does is refused, logged and the group broken. A message that does not fit its recv
 (dtype, element count, bytes), a piece of no announced message, or a stale one fails the recv
 and the sender's call with an error naming both ranks and is logged.
 
@@ -154,6 +158,9 @@ class P2P:
         self.held_bytes = [0] * group.world_size      # per peer: bytes of held EAGER messages
         self.unmatched_count = [0] * group.world_size  # per peer: held or announced messages
         self._sends: set[asyncio.Future] = set()
+        # per peer: its announcements past max_messages, waiting for room: (coll, tag, seq) -> future
+        self._parked: list[dict[tuple[int, int, int], asyncio.Future]] = [{} for _ in range(group.world_size)]
+        self._window: dict[int, asyncio.Semaphore] = {}  # per destination: calls in flight
         self.placed = 0  # messages or pieces the kernel received straight into a recv's tensor
 
     # -- the caller's side ----------------------------------------------------------------------
@@ -167,7 +174,11 @@ class P2P:
         done = self.loop.create_future()
         self._sends.add(done)
         done.add_done_callback(self._sends.discard)
-        task = self.loop.create_task(self._send(done, buf, dtype, numel, dst, tag, coll, self._send_seq[key]))
+        window = self._window.get(dst)
+        if window is None:
+            window = self._window[dst] = asyncio.Semaphore(self.max_messages)
+        task = self.loop.create_task(self._send(done, window, buf, dtype, numel, dst, tag, coll,
+                                                self._send_seq[key]))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return done
 
@@ -187,6 +198,7 @@ class P2P:
             self._drop_if_empty(key)
             if inc is None:
                 self._recvs[(src, coll, tag, seq)] = r
+                _set(self._parked[src].get((coll, tag, seq)), None)  # its announcement waits for room: it has a recv
             else:
                 self._bind(r, inc)
             return r.future
@@ -199,7 +211,19 @@ class P2P:
                 self._bind(r, inc)
                 return r.future
         self._any.setdefault(key, collections.deque()).append(r)
+        for s, parked in enumerate(self._parked):
+            if parked:
+                _set(parked.get((coll, tag, self._next_match.get((s, coll, tag), 1))), None)
         return r.future
+
+    def _made_room(self, src: int) -> None:
+        """A message of `src` left the tables: the first of its announcements waiting for room
+        tries again."""
+        parked = self._parked[src]
+        for fut in parked.values():
+            if not fut.done():
+                fut.set_result(None)
+                return
 
     def _drop_if_empty(self, key: tuple[int, int]) -> None:
         if not self._unmatched.get(key, True):
@@ -213,6 +237,7 @@ class P2P:
         for k in [k for k in self._unmatched if k[0] == coll]:
             for inc in self._unmatched.pop(k).values():
                 self.unmatched_count[inc.src] -= 1
+                self._made_room(inc.src)
                 if inc.data is not None:
                     self.held_bytes[inc.src] -= inc.nbytes
                 if inc.ready is not None:
@@ -269,9 +294,16 @@ class P2P:
             q.remove(r)
 
     # -- sending --------------------------------------------------------------------------------
-    async def _send(self, done: asyncio.Future, buf: np.ndarray, dtype: str, numel: int, dst: int,
-                    tag: int, coll: int, seq: int) -> None:
+    async def _send(self, done: asyncio.Future, window: asyncio.Semaphore, buf: np.ndarray, dtype: str,
+                    numel: int, dst: int, tag: int, coll: int, seq: int) -> None:
+        async with window:  # at most max_messages calls in flight to `dst`: never more waiting there
+            await self._send_now(done, buf, dtype, numel, dst, tag, coll, seq)
+
+    async def _send_now(self, done: asyncio.Future, buf: np.ndarray, dtype: str, numel: int, dst: int,
+                        tag: int, coll: int, seq: int) -> None:
         g = self.group
+        if done.done():  # the group broke or closed while this send waited for the window
+            return
         req = pb.SendRequest(group=g.id, src=g.rank, coll=coll, tag=tag, seq=seq, dtype=dtype, numel=numel,
                              nbytes=buf.nbytes, phase=EAGER)
         try:
@@ -338,14 +370,51 @@ class P2P:
         why = self._malformed(req, attachment)
         if why:
             return self._refuse(req, why, (req.src,), fatal=False)
-        key = (req.coll, req.tag)
-        mkey = (req.src, req.coll, req.tag, req.seq)
         if req.phase == DATA:
-            r = self._recvs.get(mkey)
+            r = self._recvs.get((req.src, req.coll, req.tag, req.seq))
             if r is None or r.src != req.src:
                 return self._refuse(req, "a DATA piece of a message that was not announced or is complete",
                                     (req.src,), fatal=True)
             return self._take(r, req, attachment, req.offset)
+        deadline = self.loop.time() + g.timeout
+        while True:
+            ack = await self._arrived(req, attachment, deadline)
+            if ack is not None:
+                return ack
+            # Past max_messages: an announcement waits for room, or for its recv.
+            parked, pkey = self._parked[req.src], (req.coll, req.tag, req.seq)
+            if pkey in parked:
+                return self._refuse(req, f"message #{req.seq} on tag {req.tag} arrived twice", (req.src,),
+                                    fatal=True)
+            if len(parked) >= self.max_messages:
+                return self._refuse(req, f"rank {req.src} has more than {self.max_messages} messages waiting for "
+                                         f"room beside the {self.max_messages} rank {g.rank} holds that no recv "
+                                         f"has taken (max_messages)", (req.src,), fatal=True)
+            room = parked[pkey] = self.loop.create_future()
+            try:
+                await asyncio.wait_for(room, max(0.0, deadline - self.loop.time()))
+            except asyncio.TimeoutError:
+                return self._no_recv(req, f"; it holds {self.max_messages} messages of rank {req.src} that no "
+                                          f"recv has taken (max_messages)")
+            except CollectiveError as e:  # the group broke or closed
+                return _refusal(e if e.ranks else CollectiveError(str(e), (g.rank,)))
+            finally:
+                del parked[pkey]
+
+    def _no_recv(self, req: pb.SendRequest, more: str = "") -> pb.Ack:
+        g = self.group
+        return pb.Ack(error=f"rank {g.rank} posted no recv for rank {req.src}'s send of {req.numel} "
+                            f"{req.dtype} (tag {req.tag}) within {g.timeout:g} s{more}", ranks=[g.rank],
+                      timed_out=True)
+
+    async def _arrived(self, req: pb.SendRequest, attachment: Any, deadline: float) -> pb.Ack | None:
+        """An EAGER or HEADER call: matched to its recv, held, or waiting for its recv; None
+        where it is an announcement past max_messages, which must wait for room."""
+        g = self.group
+        if g._broken is not None:
+            return _refusal(g._broken)
+        key = (req.coll, req.tag)
+        mkey = (req.src, req.coll, req.tag, req.seq)
         next_seq = self._next_match.get((req.src, req.coll, req.tag), 1)
         if req.seq < next_seq and mkey not in self._recvs:
             return self._refuse(req, f"message #{req.seq} on tag {req.tag} was already received", (req.src,),
@@ -367,12 +436,10 @@ class P2P:
         queue = self._unmatched.get(key, {})
         if (req.src, req.seq) in queue:
             return self._refuse(req, f"message #{req.seq} on tag {req.tag} arrived twice", (req.src,), fatal=True)
-        if self.unmatched_count[req.src] >= self.max_messages:
-            return self._refuse(req, f"rank {g.rank} already holds {self.max_messages} messages from rank "
-                                     f"{req.src} that no recv has taken (max_messages)", (req.src,), fatal=True)
         if req.phase == EAGER:
-            if self.held_bytes[req.src] + req.nbytes > self.buffer_bytes:
-                return pb.Ack(busy=True)
+            if (self.held_bytes[req.src] + req.nbytes > self.buffer_bytes
+                    or self.unmatched_count[req.src] >= self.max_messages):
+                return pb.Ack(busy=True)  # nothing held: the sender announces it instead
             data = np.empty(req.nbytes, np.uint8)
             if req.nbytes:
                 data[:] = np.frombuffer(attachment, np.uint8)
@@ -380,19 +447,20 @@ class P2P:
             self.unmatched_count[req.src] += 1
             self._unmatched.setdefault(key, queue)[(req.src, req.seq)] = _Incoming(req, data, None)
             return pb.Ack()
+        if self.unmatched_count[req.src] >= self.max_messages:
+            return None
         ready = self.loop.create_future()
         inc = self._unmatched.setdefault(key, queue)[(req.src, req.seq)] = _Incoming(req, None, ready)
         self.unmatched_count[req.src] += 1
         try:
-            r = await asyncio.wait_for(asyncio.shield(ready), g.timeout)
+            r = await asyncio.wait_for(asyncio.shield(ready), max(0.0, deadline - self.loop.time()))
         except asyncio.TimeoutError:
             if queue.get((req.src, req.seq)) is inc:
                 del queue[(req.src, req.seq)]
                 self._drop_if_empty(key)
                 self.unmatched_count[req.src] -= 1
-            return pb.Ack(error=f"rank {g.rank} posted no recv for rank {req.src}'s send of {req.numel} "
-                                f"{req.dtype} (tag {req.tag}) within {g.timeout:g} s", ranks=[g.rank],
-                          timed_out=True)
+                self._made_room(req.src)
+            return self._no_recv(req)
         except CollectiveError as e:  # _set gave `ready` the error: the group broke, or a mismatch
             # An error naming no rank (this group was closed): to the sender, this rank is gone.
             return _refusal(e if e.ranks else CollectiveError(str(e), (g.rank,)))
@@ -402,6 +470,7 @@ class P2P:
     def _bind(self, r: _Recv, inc: _Incoming) -> None:
         """Match a posted recv to a message that came first."""
         self.unmatched_count[inc.src] -= 1
+        self._made_room(inc.src)
         if inc.data is not None:
             self.held_bytes[inc.src] -= inc.nbytes
         why = self._mismatch(r, inc)
@@ -498,6 +567,9 @@ class P2P:
                     _set(inc.ready, err)
         for done in list(self._sends):
             _set(done, err)
+        for parked in self._parked:
+            for room in parked.values():
+                _set(room, err)
         self._recvs.clear()
         self._any.clear()
         self._unmatched.clear()
@@ -516,8 +588,8 @@ def _piece(req: pb.SendRequest, offset: int) -> pb.SendRequest:
     return piece
 
 
-def _set(fut: asyncio.Future, value: Any) -> None:
-    if fut.done():
+def _set(fut: asyncio.Future | None, value: Any) -> None:
+    if fut is None or fut.done():
         return
     if isinstance(value, BaseException):
         fut.set_exception(value)

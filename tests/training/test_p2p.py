@@ -91,17 +91,60 @@ async def test_held_bytes_never_pass_the_cap_and_the_sender_falls_back_to_waitin
         await _close(groups)
 
 
-async def test_too_many_unmatched_messages_break_the_group_with_a_clear_error(tmp_path, caplog):
-    g0, g1 = groups = await _groups(tmp_path, p2p_max_messages=4)
+@pytest.mark.parametrize("size", [1, 64])  # eager (held, then busy), or announced from the first
+async def test_a_sender_past_max_messages_waits_for_the_receivers_recvs_and_goes_on(tmp_path, size):
+    """More sends than the receiver holds before its recvs (a loop of isends): past the cap an
+    eager one is answered busy and announced, announcements wait there for room, and the
+    sender keeps at most max_messages calls in flight: none breaks anything."""
+    g0, g1 = groups = await _groups(tmp_path, p2p_max_messages=4, p2p_eager_bytes=32)
     try:
-        sends = [g0.send(np.zeros(1, np.int8), 1, tag=t) for t in range(5)]  # an unknown-tag flood
-        done = await _wait(asyncio.gather(*sends, return_exceptions=True))
-        errors = [d for d in done if isinstance(d, CollectiveError)]
-        assert errors and "max_messages" in str(errors[0])
-        assert g1.p2p.unmatched_count[0] == 0  # the broken group dropped what it held
-        assert not g1.p2p._next_match and not g1.p2p._unmatched  # no table keyed by the peer's tags
-        assert g1.broken is not None and "max_messages" in str(g1.broken)
+        sends = [g0.send(np.full(size, t, np.int8), 1, tag=t % 3) for t in range(40)]
+        # eager: 4 held (their sends done), then 4 announced waiting for room; announced: the 4
+        # in the table are the sender's whole window
+        parked = 4 if size == 1 else 0
+        await wait_until(lambda: g1.p2p.unmatched_count[0] == 4 and len(g1.p2p._parked[0]) == parked)
+        await asyncio.sleep(0.1)
+        assert g0.broken is None and g1.broken is None and sum(s.done() for s in sends) == parked
+        assert g1.p2p.unmatched_count[0] == 4 and len(g1.p2p._parked[0]) == parked
+        outs = [np.zeros(size, np.int8) for _ in range(40)]
+        got = [g1.recv(outs[t], 0, tag=t % 3) for t in range(40)]
+        await _wait(asyncio.gather(*sends, *got))
+        assert [int(o[0]) for o in outs] == list(range(40))
+        assert g1.p2p.unmatched_count == [0, 0] and not g1.p2p._parked[0]
+    finally:
+        await _close(groups)
+
+
+async def test_an_announcement_waiting_for_room_times_out_naming_the_receiver(tmp_path):
+    g0, g1 = groups = await _groups(tmp_path, timeout=0.5, p2p_max_messages=2)
+    try:
+        first = [g0.send(np.zeros(1, np.int8), 1, tag=t) for t in range(2)]  # held by rank 1
+        await _wait(asyncio.gather(*first))
+        late = g0.send(np.zeros(1, np.int8), 1, tag=2)  # busy, then announced: waits for room there
+        with pytest.raises(CollectiveTimeout, match=r"rank 1 posted no recv .* within 0.5 s; it holds 2 messages"):
+            await _wait(late)
+        assert g0.broken is None and g1.broken is None and not g1.p2p._parked[0]
+        out = np.zeros(1, np.int8)
+        got = g1.recv(out, 0, tag=0)
+        await _wait(got)
+    finally:
+        await _close(groups)
+
+
+async def test_too_many_announcements_waiting_for_room_break_the_group_with_a_clear_error(tmp_path, caplog):
+    """A peer past its window (an honest sender keeps max_messages calls in flight): refused."""
+    g0, g1 = groups = await _groups(tmp_path, p2p_max_messages=2)
+    try:
+        stub = g0._stub(1)  # by hand, as a hostile rank would: no window
+        calls = [stub.Send(pb.SendRequest(group=g1.id, src=0, coll=0, tag=t, seq=1, dtype="int8", numel=1,
+                                          nbytes=1, phase=HEADER), Controller(timeout_ms=10_000))
+                 for t in range(5)]
+        acks = await _wait(asyncio.gather(*calls))
+        errors = [a.error for a in acks if a.error]
+        assert errors and any("max_messages" in e for e in errors)
+        assert g1.broken is not None and "messages waiting for room" in str(g1.broken)
         assert "max_messages" in caplog.text
+        assert g1.p2p.unmatched_count[0] == 0 and not g1.p2p._parked[0] and not g1.p2p._unmatched
         with pytest.raises(CollectiveError):
             g1.recv(np.zeros(1, np.int8), 0)
     finally:
