@@ -282,7 +282,8 @@ def _check(m: M.LaneMessages, posted: list[_Posted], reports: list, send_bytes: 
     m.fail_peer(1, bye if closed else CollectiveError("fuzz: rank 1 is lost", (1,)))
     with m._lock:
         kept = [h for q in m._unmatched.values() for (src, _), h in q.items() if src == 1]
-        left = ([k for q in m._unmatched.values() for k, h in q.items() if k[0] == 1 and not (closed and h.data is not None)]
+        left = ([k for q in m._unmatched.values() for k, h in q.items()
+                 if k[0] == 1 and not (closed and h.data is not None)]
                 + [k for k in m._grants if k[0] == 1] + [k for k in m._pending if k[0] == 1]
                 + [k for k in m._recvs if k[0] == 1])
         counts = (m.held_bytes()[1], m.unmatched_count()[1], peer.grants)

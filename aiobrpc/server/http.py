@@ -46,7 +46,6 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbid
             503: b"Service Unavailable", 504: b"Gateway Timeout"}
 
 
-
 def split_target(target: bytes) -> tuple[str, str] | None:
     """A request target's path (unquoted) and query; None for one that is not a URL.
 
@@ -64,6 +63,7 @@ def split_target(target: bytes) -> tuple[str, str] | None:
             return None
         path, query = parts.path, parts.query
     return unquote(path), query
+
 
 class HttpSession:
     """The HTTP side of one server connection (`conn`, a ServerConnection)."""
