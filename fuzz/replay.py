@@ -21,7 +21,7 @@ import traceback
 
 HARNESSES = ("baidu_server", "http_server", "h2_server", "stream", "baidu_client", "grpc_client",
              "compress", "json_transcode", "naming", "codec", "collective", "lanes", "lane_messages",
-             "tensor_meta")
+             "tensor_meta", "ps_server")
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(ROOT, "corpus")
 FINDINGS = os.path.join(ROOT, "findings")

@@ -14,7 +14,7 @@
 set -u
 cd "$(dirname "$0")/.."
 SECONDS_EACH="${1:-60}"
-HARNESSES="${HARNESSES:-baidu_server http_server h2_server stream baidu_client grpc_client compress json_transcode naming codec collective lanes lane_messages tensor_meta}"
+HARNESSES="${HARNESSES:-baidu_server http_server h2_server stream baidu_client grpc_client compress json_transcode naming codec collective lanes lane_messages tensor_meta ps_server}"
 JOBS="${JOBS:-0}"
 if [ "${TWIN:-pure}" = "pure" ]; then export AIOBRPC_NO_EXTENSIONS=1; fi
 rc=0

@@ -16,7 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HARNESSES = ("baidu_server", "http_server", "h2_server", "stream", "baidu_client", "grpc_client",
              "compress", "json_transcode", "naming", "codec", "collective", "lanes", "lane_messages",
-             "tensor_meta")
+             "tensor_meta", "ps_server")
 
 
 def test_every_harness_has_a_corpus():
