@@ -262,9 +262,14 @@ class Group:
         if self.messages is not None:
             self.messages.goodbye()  # before the lanes close: the peers take it for no death
             if healthy:  # what the sends wrote reaches the peers that still read (see unsent)
-                end = self._loop.time() + min(self.timeout, CLOSE_FLUSH_S)
+                wait_s = min(self.timeout, CLOSE_FLUSH_S)
+                end = self._loop.time() + wait_s
                 while self.messages.unsent() and self._loop.time() < end:
                     await asyncio.sleep(0.002)
+                left = self.messages.unsent()
+                if left:
+                    log.warning("aiobrpc group %s: rank %d closes with %d bytes or writes its peers did not take "
+                                "within %.3g s; they are dropped", self.id, self.rank, left, wait_s)
         self._fail(CollectiveError(f"the group was closed on rank {self.rank}"), tell_peers=False)
         if self._background:  # an Abort still on its way to a peer is worth a short wait
             await asyncio.wait(list(self._background), timeout=CONTROL_TIMEOUT_S)

@@ -490,6 +490,32 @@ async def test_what_a_rank_sent_before_it_closed_reaches_a_peer_that_reads_it_la
         await _close(groups)
 
 
+async def test_a_close_waits_for_a_peer_that_does_not_read_only_so_long_and_says_so(tmp_path, monkeypatch, caplog):
+    g0, g1 = groups = await _groups(tmp_path, timeout=0.5)
+    gate, gated = threading.Event(), g0._lanes.mail[1].sock
+    real = M._read_into
+
+    def stuck(sock, view):  # rank 0 never reads rank 1's messages' bytes (until the test ends)
+        if sock is gated:
+            gate.wait(BOUND)
+        real(sock, view)
+
+    monkeypatch.setattr(M, "_read_into", stuck)
+    try:
+        await wait_until(lambda: g1.messages.credit(0) > 0)
+        for i in range(16):
+            g1.send(np.full(64 << 10, i, np.uint8), 0, tag=i)  # eager: written, then held in the kernels
+        await wait_until(lambda: g1.messages.unsent() > 0)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="aiobrpc.training.group"):
+            await _wait(g1.close())
+        assert time.monotonic() - t0 < BOUND
+        assert "did not take within 0.5 s; they are dropped" in caplog.text
+    finally:
+        gate.set()
+        await _close(groups)
+
+
 async def test_the_messages_of_a_rank_that_closed_its_group_are_still_received(tmp_path):
     """Its sends were done: what it sent whole before its BYE stays for the recvs, from it or
     from any rank; a recv past them, or one posted before and never matched, fails naming it."""
