@@ -3,10 +3,10 @@ workers: Init, Push and Pull with fuzzed fields and tensors, some of them left r
 the next calls come.
 
 Each input makes a fresh `ParameterServer` (byte 0: mode async, sync or bounded; rule Sum, SGD
-or Adam; 1-3 workers; averaged or not; byte 1: staleness 0-3), with max_bytes 4 KiB and
-max_wait_s 0.05 s, and thresholds lowered (a push of 64 bytes or more is stepped after its
-reply, one of 512 bytes times its rule's cost on the update thread) so that every path of a
-push is reached with small tensors. Then up to 16 calls, each from a recipe: Init, Push or
+or Adam; 1-3 workers; averaged or not; byte 1: staleness 0-3), with max_bytes 4 KiB,
+max_pull_bytes 256 and max_wait_s 0.05 s, and thresholds lowered (a push of 64 bytes or more
+is stepped after its reply, one of 512 bytes times its rule's cost on the update thread) so
+that every path of a push is reached with small tensors. Then up to 16 calls, each from a recipe: Init, Push or
 Pull; awaited at once or left running (awaited at the end); generation 0, the server's, or
 another; worker and step near their bounds; 0-3 tensors named from a few keys (float32,
 float64, int64 or float16, 0-3 dimensions of 0-4), row ids or not; the meta and attachment
@@ -15,10 +15,11 @@ as `tensor.pack` makes them, the attachment cut short, or the meta raw bytes.
 Checked: every call ends (a pull waits at most max_wait_s) with its response or an RpcError
 of EREQUEST, ERPCTIMEDOUT, ELOGOFF or EINTERNAL, nothing else raised and no traceback logged; a
 pull's response tensors unpack from its attachment, one per key and row list asked, of the
-key's dtype and shape (rows: the ids' count); the memory the store counts stays within
-max_bytes and is what its keys hold; in async mode with Sum, each key holds exactly its first
-Init plus every push the server accepted (step past the worker's last), rows added with
-repeats; once stopped, nothing is left running and the update thread has ended.
+key's dtype and shape (rows: the ids' count), the rows copied within max_pull_bytes; the
+memory the store counts stays within max_bytes and is what its keys hold; in async mode with
+Sum, each key holds exactly its first Init plus every push the store took (step past the
+worker's last), rows added with repeats; once stopped, nothing is left running and the
+update thread has ended.
 
     python -m fuzz.ps_server fuzz/corpus/ps_server -max_total_time=60
     python -m fuzz.ps_server --seeds fuzz/corpus/ps_server     # (re)write the seed corpus
@@ -49,6 +50,7 @@ server_mod.AFTER_REPLY_BYTES = 64
 server_mod.BACKGROUND_BYTES = 512
 MAX_BYTES = 4096
 MAX_WAIT_S = 0.05
+MAX_PULL_BYTES = 256
 MAX_CALLS = 16
 KEYS = ("w", "b", "e", "", "x" * 40)
 DTYPES = (np.float32, np.float64, np.int64, np.float16)
@@ -149,7 +151,9 @@ def _check_pull(ps: ParameterServer, call: _Call, resp) -> None:
     except (ValueError, TypeError) as e:
         raise H.Finding(f"a pull's response does not unpack from its attachment: {e}") from None
     # the rows the server read (a raw meta or a cut attachment may name others than meant)
-    ids = tensor.unpack_named(call.request.row_ids, call.cntl.request_attachment) if call.request.row_ids.tensors else {}
+    ids = {}
+    if call.request.row_ids.tensors:
+        ids = tensor.unpack_named(call.request.row_ids, call.cntl.request_attachment)
     if len(values) != len(keys) + len(ids):
         raise H.Finding(f"a pull of {keys} and rows of {list(ids)} got {len(values)} tensors")
     for key, v in zip(keys, values):
@@ -160,6 +164,9 @@ def _check_pull(ps: ParameterServer, call: _Call, resp) -> None:
         held = ps.store.keys[key].value
         if v.shape != (len(rows),) + held.shape[1:]:
             raise H.Finding(f"pulled {len(rows)} rows of {key!r} as {v.shape}")
+    copied = sum(v.nbytes for v in values[len(keys):])
+    if copied > MAX_PULL_BYTES:
+        raise H.Finding(f"a pull copied {copied} bytes of rows, past max_pull_bytes={MAX_PULL_BYTES}")
 
 
 def _check_store(ps: ParameterServer) -> None:
@@ -178,7 +185,8 @@ async def drive(data: bytes) -> str:
     workers = 1 + (conf >> 4) % 3
     staleness = p.byte() % 4
     ps = ParameterServer(workers, mode=mode, staleness=staleness if mode == "bounded" else 0, optimizer=rule,
-                         average=bool(conf & 64), max_wait_s=MAX_WAIT_S, max_bytes=MAX_BYTES)
+                         average=bool(conf & 64), max_wait_s=MAX_WAIT_S, max_bytes=MAX_BYTES,
+                         max_pull_bytes=MAX_PULL_BYTES)
     model = _Model(workers) if mode == "async" and isinstance(rule, Sum) else None
     if model is not None:
         _record(ps.store, model)

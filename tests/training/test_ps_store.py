@@ -266,8 +266,21 @@ def test_keys_take_at_most_max_bytes():
     assert list(s.keys) == ["a"]
 
 
+def test_a_pull_of_rows_copies_at_most_max_pull_bytes():
+    """8 bytes of row id ask for a whole row: a pull of many ids of a wide key is refused
+    before anything is copied; keys pulled whole are lent and do not count."""
+    s = KeyStore(1, max_pull_bytes=4096)
+    s.init({"e": np.zeros((4, 256), f32), "w": np.zeros(4096, f32)})  # rows of 1 KiB; 16 KiB whole
+    s.check_pull(0, 0, ["w"], {"e": np.array([0, 1, 2, 3], np.int64)})  # 4 rows: 4 KiB
+    assert [a.shape for a in s.read(["w"], {"e": np.array([0, 1, 2, 3], np.int64)})] == [(4096,), (4, 256)]
+    with pytest.raises(aiobrpc.RpcError, match=r"a pull of rows needs 5120 bytes or more \(5 rows of 'e'\); "
+                                               r"a pull copies at most max_pull_bytes=4096 of rows"):
+        s.check_pull(0, 0, [], {"e": np.zeros(5, np.int64)})  # a repeated row counts each time
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_workers=0), "num_workers must be an int >= 1"),
+    (dict(num_workers=1, max_pull_bytes=-1), "max_pull_bytes must be an int >= 0"),
     (dict(num_workers=1, mode="ssp"), "mode must be one of sync, async, bounded"),
     (dict(num_workers=1, mode="async", staleness=2), "staleness=2 applies to mode='bounded' only"),
     (dict(num_workers=1, optimizer="sgd"), "optimizer must be an aiobrpc.training.ps Optimizer"),

@@ -30,7 +30,7 @@ from ...errors import EINTERNAL, ELOGOFF, EREQUEST, ERPCTIMEDOUT, RpcError
 from ...stub import Servicer
 from ..._proto import ps_pb2
 from .optim import Optimizer
-from .store import KeyStore
+from .store import MAX_PULL_BYTES, KeyStore
 
 __all__ = ["ParameterServer"]
 
@@ -76,6 +76,9 @@ class ParameterServer(Servicer):
         max_wait_s: The longest a pull waits for other workers.
         max_bytes: Memory the keys may take (values, optimizer state, sync sums); an Init
             beyond it fails with EREQUEST.
+        max_pull_bytes: The most bytes of rows one pull copies (1 GiB; keys pulled whole are
+            lent, not copied); a pull asking more fails with EREQUEST. An 8-byte row id asks
+            for a row of any size: without it a small request could make a huge reply.
         initial: Keys to hold from the start (e.g. loaded from a checkpoint), name -> array.
 
     >>> import aiobrpc, numpy as np
@@ -96,11 +99,12 @@ class ParameterServer(Servicer):
 
     def __init__(self, num_workers: int, *, mode: str = "async", staleness: int = 0,
                  optimizer: Optimizer | None = None, average: bool = True, max_wait_s: float = 30.0,
-                 max_bytes: int = 1 << 34, initial: Mapping[str, Any] | None = None) -> None:
+                 max_bytes: int = 1 << 34, max_pull_bytes: int = MAX_PULL_BYTES,
+                 initial: Mapping[str, Any] | None = None) -> None:
         if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s > 0:
             raise ValueError(f"max_wait_s must be a number of seconds > 0, got {max_wait_s!r}")
         self.store = KeyStore(num_workers, mode=mode, staleness=staleness, optimizer=optimizer,
-                              average=average, max_bytes=max_bytes)
+                              average=average, max_bytes=max_bytes, max_pull_bytes=max_pull_bytes)
         self.max_wait_s = float(max_wait_s)
         # Random, so that a restarted server (which lost its clocks) differs from its past self.
         self.generation = secrets.randbits(63) + 1

@@ -36,6 +36,11 @@ MODES = ("sync", "async", "bounded")
 VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+# The most bytes of rows one pull copies (keys pulled whole are lent, not copied): 8 bytes of
+# row id ask for a row of any size.
+MAX_PULL_BYTES = 1 << 30
+
+
 def _bad(text: str) -> RpcError:
     return RpcError(EREQUEST, text)
 
@@ -70,7 +75,8 @@ class KeyStore:
     """
 
     def __init__(self, num_workers: int, *, mode: str = "async", staleness: int = 0,
-                 optimizer: Optimizer | None = None, average: bool = True, max_bytes: int = 1 << 34) -> None:
+                 optimizer: Optimizer | None = None, average: bool = True, max_bytes: int = 1 << 34,
+                 max_pull_bytes: int = MAX_PULL_BYTES) -> None:
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         if mode not in MODES:
@@ -83,6 +89,9 @@ class KeyStore:
             raise TypeError(f"optimizer must be an aiobrpc.training.ps Optimizer (Sum, SGD, Adam), got {type(optimizer).__name__}")
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        if not isinstance(max_pull_bytes, int) or isinstance(max_pull_bytes, bool) or max_pull_bytes < 0:
+            raise ValueError(f"max_pull_bytes must be an int >= 0, got {max_pull_bytes!r}")
+        self.max_pull_bytes = max_pull_bytes
         self.num_workers = num_workers
         self.mode = mode
         self.staleness = staleness
@@ -256,8 +265,15 @@ class KeyStore:
             raise _bad(f"step must be >= 0, got {step}")
         for key in keys:
             self._key(key)
+        copied = 0
         for key, ids in row_ids.items():
-            self._check_rows(key, self._key(key), ids)
+            k = self._key(key)
+            self._check_rows(key, k, ids)
+            copied += ids.size * (k.value.nbytes // max(1, k.value.shape[0]))
+            if copied > self.max_pull_bytes:
+                # 8 bytes of id ask for a whole row: without a bound, a small request makes a huge reply
+                raise _bad(f"a pull of rows needs {copied} bytes or more ({ids.size} rows of {key!r}); "
+                           f"a pull copies at most max_pull_bytes={self.max_pull_bytes} of rows")
 
     def _needed(self, step: int) -> int:
         """Pushes of steps < this must be in a pull at `step`."""
