@@ -41,6 +41,7 @@ with H.instrumented():
     from aiobrpc._proto import ps_pb2
     from aiobrpc.training.ps import SGD, Adam, ParameterServer, Sum
     from aiobrpc.training.ps import server as server_mod
+    from aiobrpc.training.ps import store as store_mod
 
 # A pull waits on a real timer (max_wait_s) for a push left running: which one ends first may
 # differ between runs on a busy machine; tests/fuzz/test_twins_differential.py leaves it out.
@@ -48,7 +49,7 @@ DIFFERENTIAL = False
 # Small tensors reach every path of a push (inline, after the reply, on the update thread).
 server_mod.AFTER_REPLY_BYTES = 64
 server_mod.BACKGROUND_BYTES = 512
-MAX_BYTES = 4096
+MAX_BYTES = 4096  # room for 7 keys of no elements, fewer of some
 MAX_WAIT_S = 0.05
 MAX_PULL_BYTES = 256
 MAX_CALLS = 16
@@ -172,7 +173,7 @@ def _check_pull(ps: ParameterServer, call: _Call, resp) -> None:
 def _check_store(ps: ParameterServer) -> None:
     store = ps.store
     copies = 1 + store.optimizer.state_copies + (store.mode == "sync")
-    held = sum(k.value.nbytes for k in store.keys.values()) * copies
+    held = sum(k.value.nbytes * copies + store_mod.key_bytes(name) for name, k in store.keys.items())
     if store.nbytes > MAX_BYTES or store.nbytes != held:
         raise H.Finding(f"the store counts {store.nbytes} bytes (max_bytes {MAX_BYTES}); its keys hold {held}")
 

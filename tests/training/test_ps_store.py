@@ -14,7 +14,7 @@ from aiobrpc._fast import sgd
 from aiobrpc.training.ps import optim, server, sharding, store, worker
 from aiobrpc.training.ps.optim import SGD, Adam, Sum
 from aiobrpc.training.ps.sharding import key_hash, shard_of
-from aiobrpc.training.ps.store import KeyStore
+from aiobrpc.training.ps.store import KEY_BYTES, KeyStore
 
 f32 = np.float32
 
@@ -258,12 +258,22 @@ def test_init_keeps_what_exists_and_refuses_a_different_shape_or_dtype():
 
 
 def test_keys_take_at_most_max_bytes():
-    s = KeyStore(2, mode="sync", optimizer=Adam(), max_bytes=4000)
-    s.init({"a": np.zeros(250, f32)})  # 1000 bytes: value, two moments, the sync sum
-    assert s.nbytes == 4000
-    with pytest.raises(aiobrpc.RpcError, match="init of 1 keys needs 16 bytes; this server holds 4000 of max_bytes 4000"):
+    s = KeyStore(2, mode="sync", optimizer=Adam(), max_bytes=4000 + KEY_BYTES + 1)
+    s.init({"a": np.zeros(250, f32)})  # 1000 bytes: value, two moments, the sync sum; and the key
+    assert s.nbytes == 4000 + KEY_BYTES + 1
+    with pytest.raises(aiobrpc.RpcError, match=f"init of 1 keys needs {16 + KEY_BYTES + 1} bytes; this server "
+                                               f"holds {4000 + KEY_BYTES + 1} of max_bytes {4000 + KEY_BYTES + 1}"):
         s.init({"b": np.zeros(1, f32)})
     assert list(s.keys) == ["a"]
+
+
+def test_keys_of_no_elements_still_count_so_max_bytes_bounds_the_table():
+    s = KeyStore(1, max_bytes=10 * (KEY_BYTES + 40))
+    for i in range(10):
+        s.init({f"{i:040d}": np.zeros(0, f32)})
+    with pytest.raises(aiobrpc.RpcError, match="init of 1 keys needs"):
+        s.init({"x" * 40: np.zeros(0, f32)})
+    assert len(s.keys) == 10
 
 
 def test_a_pull_of_rows_copies_at_most_max_pull_bytes():

@@ -41,6 +41,14 @@ VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 MAX_PULL_BYTES = 1 << 30
 
 
+KEY_BYTES = 512  # what a key costs beside its arrays (its entry, clocks, name), counted in max_bytes
+
+
+def key_bytes(key: str) -> int:
+    """What `key` costs in max_bytes beside its arrays."""
+    return KEY_BYTES + len(key)
+
+
 def _bad(text: str) -> RpcError:
     return RpcError(EREQUEST, text)
 
@@ -98,7 +106,7 @@ class KeyStore:
         self.optimizer = optimizer if optimizer is not None else SGD()
         self.average = average
         self.max_bytes = max_bytes
-        self.nbytes = 0  # what the keys may hold: values, optimizer state, sync sums
+        self.nbytes = 0  # what the keys may hold: values, optimizer state, sync sums, the keys themselves
         self.keys: dict[str, _Key] = {}
         self.changed = asyncio.Event()  # set on every update; a waiting pull clears it and re-checks
         self._updates: list[tuple[_Key, np.ndarray, np.ndarray | None]] = []  # of the push in hand
@@ -121,9 +129,10 @@ class KeyStore:
             elif held.value.shape != v.shape or held.value.dtype != v.dtype:
                 raise _bad(f"key {key!r} exists as {held.value.dtype} {_shape(held.value)}; "
                            f"init gave {v.dtype} {_shape(v)}")
-        # The value, its optimizer state, and in sync mode the sum of a step's pushes.
+        # The value, its optimizer state, and in sync mode the sum of a step's pushes; and each
+        # key's own cost, so that max_bytes bounds the table too (keys of no elements are free).
         copies = 1 + self.optimizer.state_copies + (self.mode == "sync")
-        extra = sum(v.nbytes for v in new.values()) * copies
+        extra = sum(v.nbytes * copies + key_bytes(key) for key, v in new.items())
         if self.nbytes + extra > self.max_bytes:
             raise RpcError(EREQUEST, f"init of {len(new)} keys needs {extra} bytes; this server holds "
                                      f"{self.nbytes} of max_bytes {self.max_bytes}")
