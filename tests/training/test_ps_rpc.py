@@ -188,6 +188,8 @@ async def test_worker_refuses_bad_arguments_before_sending():
             await w.pull([], rows={"e": [[1]]})
         with pytest.raises(ValueError, match="'e' is asked whole and by rows"):
             await w.pull(["e"], rows={"e": [1]})
+        with pytest.raises(ValueError, match="'w' is asked twice"):
+            await w.pull(["w", "e", "w"])
         with pytest.raises(TypeError, match="tensor 'w' must be a numpy array or a torch CPU tensor, got list"):
             await w.init({"w": [1.0, 2.0]})
     with pytest.raises(ValueError, match="servers must be a non-empty list"):

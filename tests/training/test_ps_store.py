@@ -276,7 +276,7 @@ def test_keys_of_no_elements_still_count_so_max_bytes_bounds_the_table():
     assert len(s.keys) == 10
 
 
-def test_a_pull_of_rows_copies_at_most_max_pull_bytes():
+def test_a_pull_copies_at_most_max_pull_bytes_of_rows_and_names_a_key_once():
     """8 bytes of row id ask for a whole row: a pull of many ids of a wide key is refused
     before anything is copied; keys pulled whole are lent and do not count."""
     s = KeyStore(1, max_pull_bytes=4096)
@@ -286,6 +286,8 @@ def test_a_pull_of_rows_copies_at_most_max_pull_bytes():
     with pytest.raises(aiobrpc.RpcError, match=r"a pull of rows needs 5120 bytes or more \(5 rows of 'e'\); "
                                                r"a pull copies at most max_pull_bytes=4096 of rows"):
         s.check_pull(0, 0, [], {"e": np.zeros(5, np.int64)})  # a repeated row counts each time
+    with pytest.raises(aiobrpc.RpcError, match="key 'w' is pulled twice"):  # each copy would be sent
+        s.check_pull(0, 0, ["w", "e", "w"], {})
 
 
 @pytest.mark.parametrize("kwargs, message", [

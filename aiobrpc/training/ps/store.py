@@ -274,6 +274,9 @@ class KeyStore:
             raise _bad(f"step must be >= 0, got {step}")
         for key in keys:
             self._key(key)
+        if len(set(keys)) != len(keys):  # each would be sent again: a reply of any size from a few bytes
+            twice = next(key for key in keys if keys.count(key) > 1)
+            raise _bad(f"key {twice!r} is pulled twice")
         copied = 0
         for key, ids in row_ids.items():
             k = self._key(key)

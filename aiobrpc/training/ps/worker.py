@@ -198,6 +198,8 @@ class PsWorker:
         keys = list(self._keys if keys is None else keys)
         ids = _check_rows(rows)
         out = out or {}
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{next(k for k in keys if keys.count(k) > 1)!r} is asked twice")
         both = [k for k in ids if k in keys]
         if both:
             raise ValueError(f"{both[0]!r} is asked whole and by rows: pull it one way per call")
