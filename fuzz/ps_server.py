@@ -16,7 +16,7 @@ Checked: every call ends (a pull waits at most max_wait_s) with its response or 
 of EREQUEST, ERPCTIMEDOUT, ELOGOFF or EINTERNAL, nothing else raised and no traceback logged; a
 pull's response tensors unpack from its attachment, one per key and row list asked, of the
 key's dtype and shape (rows: the ids' count), the rows copied within max_pull_bytes; the
-memory the store counts stays within max_bytes and is what its keys hold; in async mode with
+memory the store counts stays within max_bytes and is what its keys hold (sync rows included); in async mode with
 Sum, each key holds exactly its first Init plus every push the store took (step past the
 worker's last), rows added with repeats; once stopped, nothing is left running and the
 update thread has ended.
@@ -173,7 +173,8 @@ def _check_pull(ps: ParameterServer, call: _Call, resp) -> None:
 def _check_store(ps: ParameterServer) -> None:
     store = ps.store
     copies = 1 + store.optimizer.state_copies + (store.mode == "sync")
-    held = sum(k.value.nbytes * copies + store_mod.key_bytes(name) for name, k in store.keys.items())
+    held = sum(k.value.nbytes * copies + store_mod.key_bytes(name)
+               + sum(ids.nbytes + rows.nbytes for ids, rows in k.acc_rows) for name, k in store.keys.items())
     if store.nbytes > MAX_BYTES or store.nbytes != held:
         raise H.Finding(f"the store counts {store.nbytes} bytes (max_bytes {MAX_BYTES}); its keys hold {held}")
 

@@ -267,6 +267,23 @@ def test_keys_take_at_most_max_bytes():
     assert list(s.keys) == ["a"]
 
 
+def test_sync_rows_held_until_their_step_is_whole_count_in_max_bytes():
+    s = KeyStore(2, mode="sync", optimizer=SGD(lr=1.0), max_bytes=2 * 4096 + KEY_BYTES + 1 + 2 * (1024 + 8))
+    s.init({"e": np.zeros((4, 256), f32)})  # rows of 1 KiB; the value and the step's sum: 8 KiB
+    base = s.nbytes
+    with pytest.raises(aiobrpc.RpcError, match=r"the rows of this push, held until every worker pushed step 0 "
+                                               r"\(sync mode\), need 3096 bytes"):
+        s.push(0, 0, {"e": np.ones((3, 256), f32)}, {"e": np.array([0, 1, 1], np.int64)})
+    s.push(0, 0, {"e": np.ones((2, 256), f32)}, {"e": np.array([0, 1], np.int64)})
+    assert s.nbytes == base + 2 * (1024 + 8)
+    s.push(0, 0, {"e": np.ones((2, 256), f32)}, {"e": np.array([0, 1], np.int64)})  # a retry: nothing more held
+    assert s.nbytes == base + 2 * (1024 + 8)
+    # no room left, but it makes the step whole: applied at once, never held
+    s.push(1, 0, {"e": np.ones((1, 256), f32)}, {"e": np.array([3], np.int64)})
+    assert s.nbytes == base
+    assert s.read(["e"], {})[0][:, 0].tolist() == [-0.5, -0.5, 0.0, -0.5]  # the mean of the two pushes
+
+
 def test_keys_of_no_elements_still_count_so_max_bytes_bounds_the_table():
     s = KeyStore(1, max_bytes=10 * (KEY_BYTES + 40))
     for i in range(10):

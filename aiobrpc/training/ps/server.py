@@ -74,8 +74,9 @@ class ParameterServer(Servicer):
         optimizer: `Sum()`, `SGD(lr)` (the default, lr=0.01) or `Adam(...)`.
         average: In sync mode, apply the mean of the workers' pushes (else their sum).
         max_wait_s: The longest a pull waits for other workers.
-        max_bytes: Memory the keys may take (values, optimizer state, sync sums, and 512
-            bytes plus the name of each key); an Init beyond it fails with EREQUEST.
+        max_bytes: Memory the keys may take (values, optimizer state, the sums and rows of a
+            sync step, and 512 bytes plus the name of each key); an Init, or a sync push of
+            rows, beyond it fails with EREQUEST.
         max_pull_bytes: The most bytes of rows one pull copies (1 GiB; keys pulled whole are
             lent, not copied); a pull asking more fails with EREQUEST. An 8-byte row id asks
             for a row of any size: without it a small request could make a huge reply.

@@ -106,7 +106,7 @@ class KeyStore:
         self.optimizer = optimizer if optimizer is not None else SGD()
         self.average = average
         self.max_bytes = max_bytes
-        self.nbytes = 0  # what the keys may hold: values, optimizer state, sync sums, the keys themselves
+        self.nbytes = 0  # what the keys may hold: values, optimizer state, sync sums and rows, the keys themselves
         self.keys: dict[str, _Key] = {}
         self.changed = asyncio.Event()  # set on every update; a waiting pull clears it and re-checks
         self._updates: list[tuple[_Key, np.ndarray, np.ndarray | None]] = []  # of the push in hand
@@ -188,6 +188,24 @@ class KeyStore:
             if self.mode == "sync" and step > k.clock:
                 raise _bad(f"worker {worker} pushed step {step} of {key!r} but the server is at step "
                            f"{k.clock} in sync mode (pull before pushing the next step)")
+        held = self._rows_held(worker, step, grads, row_ids)
+        if held and self.nbytes + held > self.max_bytes:
+            raise RpcError(EREQUEST, f"the rows of this push, held until every worker pushed step {step} "
+                                     f"(sync mode), need {held} bytes; this server holds {self.nbytes} of "
+                                     f"max_bytes {self.max_bytes}")
+
+    def _rows_held(self, worker: int, step: int, grads: Mapping[str, np.ndarray],
+                   row_ids: Mapping[str, np.ndarray]) -> int:
+        """Sync mode: the bytes of the row pushes `push` would keep until their step is whole
+        (not those of the push that makes it whole: they are applied at once)."""
+        if self.mode != "sync":
+            return 0
+        held = 0
+        for key, ids in row_ids.items():
+            k = self.keys[key]
+            if step > k.last_step[worker] and len(k.seen | {worker}) < self.num_workers:
+                held += ids.nbytes + grads[key].nbytes
+        return held
 
     def push(self, worker: int, step: int, grads: Mapping[str, np.ndarray],
              row_ids: Mapping[str, np.ndarray] | None = None, *,
@@ -230,6 +248,7 @@ class KeyStore:
                 k.acc += g
         else:
             k.acc_rows.append((ids.copy(), g.copy()))
+            self.nbytes += ids.nbytes + g.nbytes  # held until the step is whole (check_push bounds it)
         k.seen.add(worker)
         if len(k.seen) < self.num_workers:
             return
@@ -242,6 +261,7 @@ class KeyStore:
             self._apply(k, k.acc, None)
         else:
             self._apply_rows(k, k.acc_rows, scale)
+        self.nbytes -= sum(ids.nbytes + rows.nbytes for ids, rows in k.acc_rows)
         k.acc, k.acc_rows, k.seen = None, [], set()
         k.clock += 1
 
