@@ -46,9 +46,10 @@ with H.instrumented():
 # A pull waits on a real timer (max_wait_s) for a push left running: which one ends first may
 # differ between runs on a busy machine; tests/fuzz/test_twins_differential.py leaves it out.
 DIFFERENTIAL = False
-# Small tensors reach every path of a push (inline, after the reply, on the update thread).
-server_mod.AFTER_REPLY_BYTES = 64
-server_mod.BACKGROUND_BYTES = 512
+# Small tensors reach every path of a push (inline, after the reply, on the update thread):
+# the server's thresholds, set for each input and put back after it (a test process imports
+# this module too, and its own parameter servers must keep theirs).
+THRESHOLDS = {"AFTER_REPLY_BYTES": 64, "BACKGROUND_BYTES": 512}
 MAX_BYTES = 4096  # room for 7 keys of no elements, fewer of some
 MAX_WAIT_S = 0.05
 MAX_PULL_BYTES = 256
@@ -180,6 +181,17 @@ def _check_store(ps: ParameterServer) -> None:
 
 
 async def drive(data: bytes) -> str:
+    kept = {name: getattr(server_mod, name) for name in THRESHOLDS}
+    for name, value in THRESHOLDS.items():
+        setattr(server_mod, name, value)
+    try:
+        return await _drive(data)
+    finally:
+        for name, value in kept.items():
+            setattr(server_mod, name, value)
+
+
+async def _drive(data: bytes) -> str:
     p = H._Provider(data)
     conf = p.byte()
     mode = MODES[conf % 3]
