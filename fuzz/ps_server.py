@@ -118,8 +118,9 @@ def _packed(p: H._Provider, named: dict[str, np.ndarray]) -> tuple[tensor.Tensor
     return meta, attachment
 
 
-def _merge(a: tensor.TensorMeta, a_bytes: bytes, b: tensor.TensorMeta, b_bytes: bytes) -> tuple:
-    """One meta and attachment holding a's tensors then b's (as a push of gradients and row ids)."""
+def _after(a_bytes: bytes, b: tensor.TensorMeta, b_bytes: bytes) -> tuple:
+    """b's meta and one attachment, b's tensors placed after a's bytes (as a push of gradients
+    and row ids)."""
     for info in b.tensors:
         info.offset += len(a_bytes)
     return b, a_bytes + b_bytes
@@ -223,7 +224,7 @@ async def _drive(data: bytes) -> str:
                 ids = _row_ids(p, list(named))
                 meta, att = _packed(p, named)
                 id_meta, id_att = _packed(p, ids)
-                id_meta, att = _merge(meta, att, id_meta, id_att)
+                id_meta, att = _after(att, id_meta, id_att)
                 call = _Call(kind, ps_pb2.PushRequest(generation=gen, worker=worker, step=step, grads=meta,
                                                       row_ids=id_meta), att, named, ids)
             else:
@@ -292,16 +293,11 @@ def one_input(data: bytes) -> str:
 
 def seeds() -> dict[str, bytes]:
     """A few honest sessions; the fuzzer mutates them."""
-    import struct
-
-    def call(kind: int, *fields: int) -> bytes:
-        return bytes([kind]) + bytes(fields)
-
     return {
         "async_sum_init_push_pull": bytes([0 | (0 << 2) | (0 << 4), 0, 3]) + b"\x00\x01\x01\x02\x01" * 4,
         "sync_sgd_two_workers": bytes([1 | (1 << 2) | (1 << 4), 0, 6]) + bytes(range(40)),
         "bounded_adam": bytes([2 | (2 << 2) | (2 << 4), 2, 8]) + bytes(range(7, 90, 3)),
-        "async_sum_rows": bytes([0, 0, 5]) + struct.pack("<20B", *([0, 1, 2, 3, 0] * 4)),
+        "async_sum_rows": bytes([0, 0, 5]) + bytes([0, 1, 2, 3, 0] * 4),
         "left_running": bytes([1 | (1 << 4), 0, 10]) + bytes([2, 1, 1, 3, 0, 0] * 6),
     }
 

@@ -160,7 +160,8 @@ class P2P:
         self._sends: set[asyncio.Future] = set()
         # per peer: its announcements past max_messages, waiting for room: (coll, tag, seq) -> future
         self._parked: list[dict[tuple[int, int, int], asyncio.Future]] = [{} for _ in range(group.world_size)]
-        self._window: dict[int, asyncio.Semaphore] = {}  # per destination: calls in flight
+        # per destination: at most max_messages sends in flight, so never more waiting there
+        self._window = [asyncio.Semaphore(max_messages) for _ in range(group.world_size)]
         self.placed = 0  # messages or pieces the kernel received straight into a recv's tensor
 
     # -- the caller's side ----------------------------------------------------------------------
@@ -174,11 +175,7 @@ class P2P:
         done = self.loop.create_future()
         self._sends.add(done)
         done.add_done_callback(self._sends.discard)
-        window = self._window.get(dst)
-        if window is None:
-            window = self._window[dst] = asyncio.Semaphore(self.max_messages)
-        task = self.loop.create_task(self._send(done, window, buf, dtype, numel, dst, tag, coll,
-                                                self._send_seq[key]))
+        task = self.loop.create_task(self._send(done, buf, dtype, numel, dst, tag, coll, self._send_seq[key]))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return done
 
@@ -294,9 +291,9 @@ class P2P:
             q.remove(r)
 
     # -- sending --------------------------------------------------------------------------------
-    async def _send(self, done: asyncio.Future, window: asyncio.Semaphore, buf: np.ndarray, dtype: str,
-                    numel: int, dst: int, tag: int, coll: int, seq: int) -> None:
-        async with window:  # at most max_messages calls in flight to `dst`: never more waiting there
+    async def _send(self, done: asyncio.Future, buf: np.ndarray, dtype: str, numel: int, dst: int,
+                    tag: int, coll: int, seq: int) -> None:
+        async with self._window[dst]:
             await self._send_now(done, buf, dtype, numel, dst, tag, coll, seq)
 
     async def _send_now(self, done: asyncio.Future, buf: np.ndarray, dtype: str, numel: int, dst: int,

@@ -455,21 +455,28 @@ async def test_a_send_that_waits_for_a_slot_times_out_naming_the_receiver(tmp_pa
         await _close(groups)
 
 
+def _gate_reader(monkeypatch, group, peer: int) -> threading.Event:
+    """`group`'s reader takes the bytes of `peer`'s messages only once the event is set: they
+    stay in the kernels meanwhile."""
+    gate, gated = threading.Event(), group._lanes.mail[peer].sock
+    real = M._read_into
+
+    def gated_read(sock, view):
+        if sock is gated:
+            gate.wait(BOUND)
+        real(sock, view)
+
+    monkeypatch.setattr(M, "_read_into", gated_read)
+    return gate
+
+
 @pytest.mark.parametrize("size", [16 << 10, 1 << 20])  # eager, or announced
 async def test_what_a_rank_sent_before_it_closed_reaches_a_peer_that_reads_it_later(tmp_path, monkeypatch, size):
     """A rank that sends and closes its group at once: what its sends wrote is still in its
     kernel while the peer reads slowly. Its close waits (bounded) for the peer to take it, as
     a socket closed with unread bytes in it resets and drops what it still held to send."""
     g0, g1 = groups = await _groups(tmp_path)
-    gate, gated = threading.Event(), g0._lanes.mail[1].sock
-    real = M._read_into
-
-    def slow(sock, view):  # rank 0 reads the messages' bytes from rank 1 only once the gate opens
-        if sock is gated:
-            gate.wait(BOUND)
-        real(sock, view)
-
-    monkeypatch.setattr(M, "_read_into", slow)
+    gate = _gate_reader(monkeypatch, g0, 1)
     try:
         n = (12 << 20) // size  # past the kernels' buffers; fewer than the 1024 slots
         outs = [np.zeros(size, np.uint8) for _ in range(n)]
@@ -492,15 +499,7 @@ async def test_what_a_rank_sent_before_it_closed_reaches_a_peer_that_reads_it_la
 
 async def test_a_close_waits_for_a_peer_that_does_not_read_only_so_long_and_says_so(tmp_path, monkeypatch, caplog):
     g0, g1 = groups = await _groups(tmp_path, timeout=0.5)
-    gate, gated = threading.Event(), g0._lanes.mail[1].sock
-    real = M._read_into
-
-    def stuck(sock, view):  # rank 0 never reads rank 1's messages' bytes (until the test ends)
-        if sock is gated:
-            gate.wait(BOUND)
-        real(sock, view)
-
-    monkeypatch.setattr(M, "_read_into", stuck)
+    gate = _gate_reader(monkeypatch, g0, 1)  # not opened until the test ends
     try:
         await wait_until(lambda: g1.messages.credit(0) > 0)
         for i in range(16):
