@@ -62,7 +62,7 @@ import numpy as np
 
 from .errors import CollectiveError, CollectiveTimeout
 from .lanes import (FRAME_BYTES, HEADER, INLINE_BYTES, MAX_DTYPE_NAME, MAX_FRAME_META, Lane, LaneError,
-                    check_data_meta, dtype_name_at, frames, parse_header, timeval, _write_now)
+                    check_data_meta, dtype_name_at, frames, parse_header, pieces, timeval, _write_now)
 from .p2p import byte_view
 
 try:  # the bytes a TCP socket's kernel holds unacknowledged (Linux: SIOCOUTQ)
@@ -650,7 +650,8 @@ class LaneMessages:
                 sock = peer.lane.sock
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.timeout))
                 for b in bufs:
-                    sock.sendall(b)
+                    for piece in pieces(b):
+                        sock.sendall(piece)
             except OSError as e:
                 error = e
             lost = False

@@ -575,8 +575,9 @@ class Lanes:
     def _write(self, lane: Lane, bufs: list, deadline: Deadline) -> None:
         try:
             for buf in bufs:
-                _arm(lane.sock, socket.SO_SNDTIMEO, deadline)
-                lane.sock.sendall(buf)
+                for piece in pieces(buf):  # each bounded by what is left of the deadline
+                    _arm(lane.sock, socket.SO_SNDTIMEO, deadline)
+                    lane.sock.sendall(piece)
         except OSError as e:
             raise self._gone(lane, e, deadline) from None
         finally:
@@ -760,6 +761,21 @@ def frames(bufs: list, lane: Lane, lead: bytes, data: memoryview) -> None:
 
 
 _IOV_MAX = 512
+# A large buffer is written a piece at a time: while one send() copies, the socket is locked
+# and the peer's ACKs wait in its backlog, so one 16 MiB send stalls on a full send buffer.
+# Measured on loopback here: 16 MiB one way 2.8-3.1 GB/s as one sendall, 4.2-4.5 GB/s in
+# 512 KiB pieces (2 MiB pieces 3.6-4.1), gloo writing 2 MiB at a time.
+SEND_CHUNK = 512 << 10
+
+
+def pieces(buf: Any) -> Any:
+    """`buf` as the pieces of at most SEND_CHUNK bytes to send one after the other."""
+    view = memoryview(buf)
+    n = view.nbytes
+    if n <= SEND_CHUNK:
+        return (view,)
+    view = view.cast("B")
+    return [view[at:at + SEND_CHUNK] for at in range(0, n, SEND_CHUNK)]
 
 
 def _write_now(sock: socket.socket, bufs: list) -> list:

@@ -223,6 +223,16 @@ def test_a_message_in_several_frames_lands_whole():
     assert got.tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.parametrize("nbytes", [0, 1, L.SEND_CHUNK, L.SEND_CHUNK + 1, 3 * L.SEND_CHUNK + 4])
+def test_a_large_buffer_is_written_in_pieces_that_make_it_whole(nbytes):
+    data = (np.arange(nbytes // 4 + 1, dtype=np.float32) * 3)[: nbytes // 4]  # a typed buffer, not bytes
+    raw = data.tobytes()
+    got = L.pieces(data)
+    assert all(0 < memoryview(p).nbytes <= L.SEND_CHUNK for p in got) or not raw
+    assert b"".join(bytes(p) for p in got) == raw
+    assert len(got) == max(1, -(-len(raw) // L.SEND_CHUNK))
+
+
 HANDSHAKES = {
     "garbage": b"GET / HTTP/1.1\r\n\r\n",
     "another group": L.open_request("other", 0, 1),
