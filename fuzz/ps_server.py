@@ -46,10 +46,11 @@ with H.instrumented():
 # A pull waits on a real timer (max_wait_s) for a push left running: which one ends first may
 # differ between runs on a busy machine; tests/fuzz/test_twins_differential.py leaves it out.
 DIFFERENTIAL = False
-# Small tensors reach every path of a push (inline, after the reply, on the update thread):
+# Small tensors reach every path of a push (inline, after the reply in slices, on the update
+# thread):
 # the server's thresholds, set for each input and put back after it (a test process imports
 # this module too, and its own parameter servers must keep theirs).
-THRESHOLDS = {"AFTER_REPLY_BYTES": 64, "BACKGROUND_BYTES": 512}
+THRESHOLDS = {"AFTER_REPLY_BYTES": 64, "BACKGROUND_BYTES": 512, "STEP_SLICE_BYTES": 24}
 MAX_BYTES = 4096  # room for 7 keys of no elements, fewer of some
 MAX_WAIT_S = 0.05
 MAX_PULL_BYTES = 256

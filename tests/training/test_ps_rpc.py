@@ -93,11 +93,13 @@ class SlowSum(Sum):
         super().apply(value, grad, state, rows)
 
 
-@pytest.mark.parametrize("where", ["thread", "after-reply"])
+@pytest.mark.parametrize("where", ["thread", "after-reply", "after-reply-in-slices"])
 @pytest.mark.parametrize("mode", ["sync", "async", "bounded"])
 async def test_large_pushes_apply_later_once_each_and_before_any_later_pull(mode, where, monkeypatch):
     if where == "thread":  # every push of `big` is applied on the server's thread
         monkeypatch.setattr(ps_server, "BACKGROUND_BYTES", ps_server.AFTER_REPLY_BYTES)
+    elif where == "after-reply-in-slices":  # taken 1 KiB at a time, the loop reading between slices
+        monkeypatch.setattr(ps_server, "STEP_SLICE_BYTES", 1024)
     big = ps_server.AFTER_REPLY_BYTES // 4  # float32s: answered before their step is taken
     async with running_ps(1, num_workers=2, mode=mode, optimizer=SlowSum()) as ps:
         address = [ps[0][0].address]
@@ -141,15 +143,17 @@ async def test_a_costly_rule_takes_its_step_on_the_thread_a_cheap_one_on_the_loo
 
 class FailingSGD(SGD):
     def apply(self, value, grad, state, rows=None):
-        if grad.nbytes >= ps_server.AFTER_REPLY_BYTES:
+        if grad.nbytes >= 4096:  # a large push's step, or a slice of it
             raise MemoryError("no room for the step")
         super().apply(value, grad, state, rows)
 
 
-@pytest.mark.parametrize("where", ["thread", "after-reply"])
+@pytest.mark.parametrize("where", ["thread", "after-reply", "after-reply-in-slices"])
 async def test_a_step_that_fails_after_its_reply_fails_every_later_pull(where, monkeypatch, caplog):
     if where == "thread":
         monkeypatch.setattr(ps_server, "BACKGROUND_BYTES", ps_server.AFTER_REPLY_BYTES)
+    elif where == "after-reply-in-slices":
+        monkeypatch.setattr(ps_server, "STEP_SLICE_BYTES", 4096)
     big = ps_server.AFTER_REPLY_BYTES // 4
     async with running_ps(1, num_workers=1, optimizer=FailingSGD()) as ps:
         async with PsWorker([ps[0][0].address], 0, timeout_s=10) as w:

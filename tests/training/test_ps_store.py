@@ -225,6 +225,54 @@ def test_a_push_applied_later_has_moved_its_clocks_and_keeps_a_lent_array():
     assert lent.tolist() == [0, 0, 0] and s.read(["w"], {})[0].tolist() == [1, 1, 1]
 
 
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.3), Sum(), Adam()], ids=["sgd", "sum", "adam"])
+@pytest.mark.parametrize("budget", [4, 40, 4000, 1 << 20])
+def test_a_later_step_taken_in_slices_equals_it_taken_whole(optimizer, budget):
+    rng = np.random.default_rng(7)
+    init = {"a": rng.standard_normal((7, 5)).astype(f32), "b": rng.standard_normal(301),
+            "e": rng.standard_normal((6, 3)).astype(f32), "z": np.zeros(0, f32)}
+    grads = {"a": rng.standard_normal((7, 5)).astype(f32), "b": rng.standard_normal(301),
+             "e": rng.standard_normal((2, 3)).astype(f32), "z": np.zeros(0, f32)}
+    rows = {"e": np.array([4, 1])}
+    whole, sliced = KeyStore(1, optimizer=optimizer), KeyStore(1, optimizer=optimizer)
+    for s in (whole, sliced):
+        s.init({k: v.copy() for k, v in init.items()})
+    lent = sliced.read(["a"], {})[0]  # a reply still being written: never changed under it
+    whole.push(0, 0, grads, rows)
+    steps = sliced.push(0, 0, grads, rows, later=True)
+    slices = 1
+    while not steps.some(budget):
+        slices += 1
+        assert slices < 10_000
+    if budget == 4 and optimizer.elementwise:
+        assert slices > 35 + 301  # a slice at a time: a's and b's elements at most one or two each
+    assert lent.tolist() == init["a"].tolist()
+    for k in init:
+        assert sliced.keys[k].value.tobytes() == whole.keys[k].value.tobytes(), k
+    assert steps.some(budget) and steps.some(None)  # nothing left: taking it again changes nothing
+    for k in init:
+        assert sliced.keys[k].value.tobytes() == whole.keys[k].value.tobytes(), k
+
+
+def test_a_step_begun_in_slices_is_finished_whole_by_a_call():
+    s = KeyStore(1, optimizer=Sum())
+    s.init({"w": np.zeros(1000, f32)})
+    steps = s.push(0, 0, {"w": np.ones(1000, f32)}, later=True)
+    assert not steps.some(400)  # 100 elements taken
+    assert s.keys["w"].value[:100].tolist() == [1] * 100 and s.keys["w"].value[100:].tolist() == [0] * 900
+    steps()  # a call comes: the rest at once
+    assert s.keys["w"].value.tolist() == [1] * 1000
+
+
+def test_a_value_that_is_not_contiguous_takes_its_step_whole():
+    s = KeyStore(1, optimizer=Sum())
+    s.init({"w": np.zeros(8, f32)})
+    s.keys["w"].value = np.zeros(16, f32)[::2]  # as no init makes it, but a step must not write a copy
+    steps = s.push(0, 0, {"w": np.ones(8, f32)}, later=True)
+    assert steps.some(4)  # all of it at once
+    assert s.keys["w"].value.tolist() == [1] * 8
+
+
 @pytest.mark.parametrize("grads, rows, message", [
     ({"v": np.zeros(2, f32)}, None, r"unknown key 'v': this server holds 2 keys \('e', 'w'\)"),
     ({"w": np.zeros(3, f32)}, None, r"gradient of 'w' has shape \[3\], expected \[2\] \(key shape \[2\]\)"),

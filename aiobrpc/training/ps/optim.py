@@ -42,6 +42,10 @@ class Optimizer(ABC):
     # the loop after the reply while short, else on the update thread. A rule of unknown cost
     # is taken for a costly one.
     step_cost = 100.0
+    # Its dense step is element by element with no state: applied to consecutive slices of a
+    # key (value and gradient alike) it gives the whole step's result, so a server may take a
+    # large one a slice at a time between its reads (server.py).
+    elementwise = False
 
     def new_state(self, value: np.ndarray) -> Any:
         """The state this rule keeps for a key holding `value`."""
@@ -56,6 +60,7 @@ class Sum(Optimizer):
     """value += pushed (ps-lite's default server: workers push deltas)."""
 
     step_cost = 1.0
+    elementwise = True
 
     def apply(self, value, grad, state, rows=None):
         if rows is None:
@@ -71,6 +76,7 @@ class SGD(Optimizer):
     """value -= lr * gradient."""
 
     step_cost = 1.0
+    elementwise = True
 
     def __init__(self, lr: float = 0.01) -> None:
         self.lr = _check_number("lr", lr, low=0.0, open_low=True)

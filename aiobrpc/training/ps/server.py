@@ -43,6 +43,9 @@ MAX_BACKGROUND = 2  # pushes applied or queued on the thread at once; one more w
 # A push of at least this many gradient bytes (and less than BACKGROUND_BYTES) is answered
 # first; its step runs on the loop once the reply is out, before any later call's.
 AFTER_REPLY_BYTES = 256 * 1024
+# Such a step is taken this many bytes of gradient at a time, the loop reading between slices
+# (16 MiB pushes of SGD here: 137-144 calls/s whole, 158-168 in 1 MiB slices, 158-171 in 512 KiB).
+STEP_SLICE_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class ParameterServer(Servicer):
         self._executor: ThreadPoolExecutor | None = None
         self._background: deque[asyncio.Future] = deque()  # in the order run (one thread)
         self._after_reply: deque = deque()  # steps to take on the loop, in order, before any later call's
+        self._stepping = False  # _step_after_reply is scheduled
         self._failed: BaseException | None = None
         if initial:
             self.store.init({k: np.asarray(v) for k, v in initial.items()})
@@ -155,13 +159,35 @@ class ParameterServer(Servicer):
             job = self.store.push(request.worker, request.step, grads, ids, later=True)
             if job is not None:
                 self._after_reply.append(job)
-                if len(self._after_reply) == 1:
+                if not self._stepping:
                     # Two hops: the reply's write is queued for the end of this iteration.
+                    self._stepping = True
                     loop = asyncio.get_running_loop()
-                    loop.call_soon(loop.call_soon, self._take_after_reply)
+                    loop.call_soon(loop.call_soon, self._step_after_reply)
         else:
             self.store.push(request.worker, request.step, grads, ids)
         return ps_pb2.PushResponse(generation=self.generation)
+
+    def _step_after_reply(self) -> None:
+        """Take a slice of the steps waiting after their replies, then let the loop read before
+        the next one: the next push comes in while this one's step is taken (a sender can
+        only put its socket's send buffer ahead of a reader that does not read)."""
+        steps = self._after_reply
+        try:
+            if steps and steps[0].some(STEP_SLICE_BYTES):
+                steps.popleft()
+        except Exception as e:  # noqa: BLE001 (as on the thread: the key's state is unknown)
+            steps.popleft()
+            self._lost(e)
+        if steps:
+            asyncio.get_running_loop().call_soon(self._step_after_reply)
+        else:
+            self._stepping = False
+
+    def _lost(self, e: BaseException) -> None:
+        if self._failed is None:
+            self._failed = e
+            log.error("a push's update failed; pulls fail from now on", exc_info=e)
 
     def _take_after_reply(self) -> None:
         """Take the steps of the pushes answered before now (at the latest one iteration after
@@ -172,9 +198,7 @@ class ParameterServer(Servicer):
             try:
                 job()
             except Exception as e:  # noqa: BLE001 (as on the thread: the key's state is unknown)
-                if self._failed is None:
-                    self._failed = e
-                    log.error("a push's update failed; pulls fail from now on", exc_info=e)
+                self._lost(e)
 
     def _run_in_background(self, fn, *args, update: bool = True) -> asyncio.Future:
         if self._executor is None:

@@ -14,15 +14,15 @@ Pulls are served from the key's current array without a copy; the array is marke
 the next update works on a fresh copy, so a reply still being written never changes under it.
 
 Updates: a push's optimizer steps are collected while the push is checked and its clocks
-moved, then taken at once, or handed back as one function (`push(..., later=True)`) for the
-servicer to run on a thread: the servicer then keeps every read and later update after it.
+moved, then taken at once, or handed back (`push(..., later=True)`) for the servicer to take
+later, whole (on a thread) or a slice at a time (on its loop, between reads): the servicer
+then keeps every read and later update after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -236,7 +236,7 @@ class KeyStore:
         if not updates:
             return None
         if later:
-            return partial(self._take, updates)
+            return Steps(self, updates)
         self._take(updates)
         return None
 
@@ -280,9 +280,7 @@ class KeyStore:
     def _take(self, updates: list[tuple[_Key, np.ndarray, np.ndarray | None]]) -> None:
         apply = self.optimizer.apply
         for k, g, rows in updates:
-            if k.lent:
-                k.value = k.value.copy()
-                k.lent = False
+            _own(k)
             apply(k.value, g, k.state, rows)
 
     # -- pull ------------------------------------------------------------------------------
@@ -344,3 +342,59 @@ class KeyStore:
         for key, ids in row_ids.items():
             out.append(self.keys[key].value[ids])
         return out
+
+
+def _own(k: _Key) -> None:
+    """Before an update: a value lent to a reply being written is replaced by a copy."""
+    if k.lent:
+        k.value = k.value.copy()
+        k.lent = False
+
+
+class Steps:
+    """The optimizer steps of a push, taken later: all at once (call it), or a slice at a time
+    (`some`) where the rule is elementwise and the step dense; either way each element is
+    updated once, in the order the whole step would."""
+
+    __slots__ = ("_store", "_updates", "_next", "_at")
+
+    def __init__(self, store: KeyStore, updates: list) -> None:
+        self._store = store
+        self._updates = updates
+        self._next = 0  # the update to take next
+        self._at = 0  # its elements taken already
+
+    def __call__(self) -> None:
+        self.some(None)
+
+    def some(self, budget: int | None) -> bool:
+        """Take about `budget` bytes of gradient (None: all that is left); True once all is taken."""
+        opt = self._store.optimizer
+        updates = self._updates
+        while self._next < len(updates):
+            k, g, rows = updates[self._next]
+            at = self._at
+            if at == 0:
+                _own(k)
+            if (budget is None or rows is not None or not opt.elementwise or not k.value.flags.c_contiguous
+                    or not g.flags.c_contiguous):
+                if at == 0:
+                    opt.apply(k.value, g, k.state, rows)
+                else:  # the rest of a step begun in slices
+                    opt.apply(k.value.reshape(-1)[at:], g.reshape(-1)[at:], k.state, None)
+                end = g.size
+            else:
+                end = min(g.size, at + max(1, budget // g.itemsize))
+                opt.apply(k.value.reshape(-1)[at:end], g.reshape(-1)[at:end], k.state, None)
+            if budget is not None:
+                budget -= (end - at) * g.itemsize
+            if end < g.size:
+                self._at = end
+                return False
+            self._next += 1
+            self._at = 0
+            if budget is not None and budget <= 0:
+                break
+        if self._next == len(updates):
+            updates.clear()  # the gradients may go
+        return not updates
