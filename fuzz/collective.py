@@ -1,8 +1,8 @@
 """Harness: a training group's point-to-point messages (aiobrpc/training/p2p.py, the `Send` calls
 of the Collective service), from a hostile rank.
 
-Each input makes a fresh group of two ranks in this loop (a FileStore in a temporary folder,
-their own servers on 127.0.0.1, a timeout of 0.2 s), then plays the recipe against rank 1:
+Each input makes a fresh group of two ranks in this loop (an in-memory store, their own
+servers on 127.0.0.1, a timeout of 0.05 s), then plays the recipe against rank 1:
 recvs posted by rank 1's program (from rank 0 or from any, a tag, a dtype, a size), honest
 sends of rank 0, and `Send` calls made by hand with every field from the fuzzer (group id right
 or wrong, src, coll, tag, seq, dtype name, numel, nbytes, phase, offset) and an attachment whose
@@ -20,9 +20,7 @@ it; no traceback logged; nothing left running once the group is closed.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import shutil
-import tempfile
+import threading
 
 from fuzz import _harness as H
 
@@ -32,17 +30,36 @@ with H.instrumented():
     from aiobrpc.controller import Controller
     from aiobrpc.errors import RpcError
     from aiobrpc._proto import collective_pb2 as pb
-    from aiobrpc.training import CollectiveError, FileStore, Group
+    from aiobrpc.training import CollectiveError, Group
 
 # Real sockets and timers: which of two racing messages a rank takes first, so the outcome of
 # an input, may differ between runs; tests/fuzz/test_twins_differential.py leaves it out.
 DIFFERENTIAL = False
-TIMEOUT = 0.2
+TIMEOUT = 0.05  # short: an input waits for its unmatched recvs and sends to time out
 CAP_BYTES, CAP_MESSAGES, EAGER = 4096, 8, 1024  # small caps, so the fuzzer reaches them
 DTYPES = ("uint8", "float32", "int64", "bfloat16", "x" * 65, "", "float32\x00")  # the first 3: arrays
 SETTLE = TIMEOUT * 4 + 2.0
-_tmp = tempfile.mkdtemp(prefix="fuzz-collective-")
 _n = 0
+
+
+class _MemoryStore:
+    """The group's rendezvous in this process: a get is answered as soon as its key is set
+    (a FileStore polls, and its waits were most of an input's time)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
+        self._set = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._set:
+            self._values[key] = bytes(value)
+            self._set.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self._set:
+            if not self._set.wait_for(lambda: key in self._values, timeout=5):
+                raise TimeoutError(f"store key {key!r} was not set within 5 s")
+            return self._values[key]
 
 
 def _array(dtype: str, numel: int, fill: int) -> np.ndarray:
@@ -54,7 +71,7 @@ async def drive(data: bytes) -> str:
     _n += 1
     p = H._Provider(data)
     before = asyncio.all_tasks()  # the harness's own (run's wait_for)
-    store = FileStore(_tmp, timeout=5)
+    store = _MemoryStore()
     prefix = f"in{_n}"
     g0, g1 = await asyncio.gather(*(Group.create(store, r, 2, prefix=prefix, timeout=TIMEOUT,
                                                  p2p_eager_bytes=EAGER, p2p_buffer_bytes=CAP_BYTES,
@@ -166,12 +183,6 @@ def _check_caps(g: Group) -> None:
 def one_input(data: bytes) -> str:
     return H.run(drive, data)
 
-
-def _cleanup() -> None:
-    shutil.rmtree(_tmp, ignore_errors=True)
-
-
-atexit.register(_cleanup)
 
 if __name__ == "__main__":
     H.fuzz_main(one_input)
