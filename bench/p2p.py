@@ -10,7 +10,7 @@ gives the median of the rounds' medians.
   round trip.
 - bandwidth: 16 MiB sent by rank 0 and received by rank 1, a 1-element reply closing each
   sample; bytes / time. Beside it a raw TCP transfer of the same bytes between the same
-  processes (sendall / recv_into, no framework): what loopback allows here. The raw sends
+  processes (sendall / recv_into with MSG_WAITALL, no framework): what loopback allows here. The raw sends
   write 512 KiB at a time, as aiobrpc's lanes and gloo (2 MiB) do: on this kernel one 16 MiB
   sendall is 25-45 % slower (the socket stays locked through the copy, the peer's ACKs
   wait in its backlog).
@@ -82,7 +82,7 @@ def raw_pair(rank: int, port: int) -> socket.socket:
 def recv_into(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)  # one wakeup, as the lanes' readers
         if not n:
             raise ConnectionError("peer closed")
         got += n
