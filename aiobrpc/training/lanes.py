@@ -575,8 +575,8 @@ class Lanes:
     def _write(self, lane: Lane, bufs: list, deadline: Deadline) -> None:
         try:
             for buf in bufs:
-                for piece in pieces(buf):  # each bounded by what is left of the deadline
-                    _arm(lane.sock, socket.SO_SNDTIMEO, deadline)
+                _arm(lane.sock, socket.SO_SNDTIMEO, deadline)  # each send call waits at most what is left
+                for piece in pieces(buf):
                     lane.sock.sendall(piece)
         except OSError as e:
             raise self._gone(lane, e, deadline) from None
