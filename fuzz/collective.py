@@ -2,7 +2,9 @@
 of the Collective service), from a hostile rank.
 
 Each input makes a fresh group of two ranks in this loop (an in-memory store, their own
-servers on 127.0.0.1, a timeout of 0.05 s), then plays the recipe against rank 1:
+servers on 127.0.0.1, a timeout of 0.05 s, point-to-point on calls: `lanes=False`, since
+messages on lanes never reach p2p.py and have harnesses of their own), then plays the recipe
+against rank 1:
 recvs posted by rank 1's program (from rank 0 or from any, a tag, a dtype, a size), honest
 sends of rank 0, and `Send` calls made by hand with every field from the fuzzer (group id right
 or wrong, src, coll, tag, seq, dtype name, numel, nbytes, phase, offset) and an attachment whose
@@ -38,7 +40,7 @@ DIFFERENTIAL = False
 TIMEOUT = 0.05  # short: an input waits for its unmatched recvs and sends to time out
 CAP_BYTES, CAP_MESSAGES, EAGER = 4096, 8, 1024  # small caps, so the fuzzer reaches them
 DTYPES = ("uint8", "float32", "int64", "bfloat16", "x" * 65, "", "float32\x00")  # the first 3: arrays
-SETTLE = TIMEOUT * 4 + 2.0
+SETTLE = TIMEOUT * 4 + 3.0
 _n = 0
 
 
@@ -75,7 +77,8 @@ async def drive(data: bytes) -> str:
     prefix = f"in{_n}"
     g0, g1 = await asyncio.gather(*(Group.create(store, r, 2, prefix=prefix, timeout=TIMEOUT,
                                                  p2p_eager_bytes=EAGER, p2p_buffer_bytes=CAP_BYTES,
-                                                 p2p_max_messages=CAP_MESSAGES) for r in range(2)))
+                                                 p2p_max_messages=CAP_MESSAGES, lanes=False)
+                                    for r in range(2)))
     stub = g0._stub(1)  # rank 0's channel to rank 1: the hostile calls go the way real ones do
     pending: list = []
     recvs: list = []
