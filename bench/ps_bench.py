@@ -4,6 +4,10 @@ on torch.distributed.rpc (TensorPipe), the same model, in the same two processes
     python bench/ps_bench.py                # ~40 s; needs torch (the 'train' extra)
     python bench/ps_bench.py --seconds 0.5  # quicker, rougher
     python bench/ps_bench.py --tensorpipe tcp   # TensorPipe over TCP only, as between hosts
+                                                # (its default shared-memory transport keeps a
+                                                # polling thread busy in both processes for the
+                                                # whole run: on 2 cores read this run for
+                                                # aiobrpc against the raw transfer)
     python bench/ps_bench.py --rounds 3 --seconds 1   # every cell 3 times, taking turns: medians
 
 Two processes on 127.0.0.1: this one is the worker; it spawns the server process, which joins
