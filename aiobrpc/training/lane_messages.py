@@ -62,7 +62,7 @@ import numpy as np
 
 from .errors import CollectiveError, CollectiveTimeout
 from .lanes import (FRAME_BYTES, HEADER, INLINE_BYTES, MAX_DTYPE_NAME, MAX_FRAME_META, Lane, LaneError,
-                    check_data_meta, dtype_name_at, frames, parse_header, pieces, timeval, _write_now)
+                    check_data_meta, dtype_name_at, frames, parse_header, send_in_pieces, timeval, _write_now)
 from .p2p import byte_view
 
 try:  # the bytes a TCP socket's kernel holds unacknowledged (Linux: SIOCOUTQ)
@@ -650,8 +650,7 @@ class LaneMessages:
                 sock = peer.lane.sock
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.timeout))
                 for b in bufs:
-                    for piece in pieces(b):
-                        sock.sendall(piece)
+                    send_in_pieces(sock, b)
             except OSError as e:
                 error = e
             lost = False

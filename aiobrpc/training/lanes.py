@@ -576,8 +576,7 @@ class Lanes:
         try:
             for buf in bufs:
                 _arm(lane.sock, socket.SO_SNDTIMEO, deadline)  # each send call waits at most what is left
-                for piece in pieces(buf):
-                    lane.sock.sendall(piece)
+                send_in_pieces(lane.sock, buf)
         except OSError as e:
             raise self._gone(lane, e, deadline) from None
         finally:
@@ -766,6 +765,12 @@ _IOV_MAX = 512
 # Measured on loopback here: 16 MiB one way 2.8-3.1 GB/s as one sendall, 4.2-4.5 GB/s in
 # 512 KiB pieces (2 MiB pieces 3.6-4.1), gloo writing 2 MiB at a time.
 SEND_CHUNK = 512 << 10
+
+
+def send_in_pieces(sock: socket.socket, buf: Any) -> None:
+    """`sock.sendall(buf)` (a blocking socket) a piece at a time."""
+    for piece in pieces(buf):
+        sock.sendall(piece)
 
 
 def pieces(buf: Any) -> Any:

@@ -235,9 +235,10 @@ class KeyStore:
         updates, self._updates = self._updates, []
         if not updates:
             return None
+        steps = Steps(self, updates)
         if later:
-            return Steps(self, updates)
-        self._take(updates)
+            return steps
+        steps()
         return None
 
     def _gather(self, k: _Key, worker: int, g: np.ndarray, ids: np.ndarray | None) -> None:
@@ -276,12 +277,6 @@ class KeyStore:
 
     def _apply(self, k: _Key, g: np.ndarray, rows: np.ndarray | None) -> None:
         self._updates.append((k, g, rows))
-
-    def _take(self, updates: list[tuple[_Key, np.ndarray, np.ndarray | None]]) -> None:
-        apply = self.optimizer.apply
-        for k, g, rows in updates:
-            _own(k)
-            apply(k.value, g, k.state, rows)
 
     # -- pull ------------------------------------------------------------------------------
 
